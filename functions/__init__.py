@@ -1,0 +1,14 @@
+"""The math and the synchronization of synchronized batch norm (see ``DESIGN.md``)."""
+from .backend import Kernels, backend_info, kernels_for
+from .replicas import ReplicaSyncError, resolve_timeout
+from .sync_batchnorm import SyncBatchNormFunction, sync_batch_norm
+
+__all__ = [
+    "Kernels",
+    "ReplicaSyncError",
+    "SyncBatchNormFunction",
+    "backend_info",
+    "kernels_for",
+    "resolve_timeout",
+    "sync_batch_norm",
+]

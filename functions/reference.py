@@ -1,0 +1,99 @@
+"""Pure-PyTorch reference kernels of the five batch-norm operations.
+
+Every compiled kernel (``src/``) has the same signature as its reference here and is tested
+against it. Shapes: ``x`` and ``dy`` are ``(N, C, *)`` in any layout; per-channel tensors are
+``(C,)`` in the accumulation dtype (float64 for float64 input, float32 otherwise); ``count`` is
+the number of values per channel (``N * prod(spatial)``), a Python int.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 accumulates in float64; float32, bfloat16 and float16 in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def reduction_dims(x: Tensor) -> list[int]:
+    """Every dimension but the channel dimension 1."""
+    return [0, *range(2, x.dim())]
+
+
+def per_channel(v: Tensor, x: Tensor) -> Tensor:
+    """View a ``(C,)`` tensor so that it broadcasts against ``x`` along dim 1."""
+    return v.view(1, -1, *([1] * (x.dim() - 2)))
+
+
+def local_stats(x: Tensor) -> tuple[int, Tensor, Tensor]:
+    """Count, mean and M2 (sum of squared deviations from the mean) of each channel.
+
+    An empty batch gives count 0 with zero mean and M2, so that it drops out of a merge.
+    """
+    count = x.numel() // x.size(1)
+    acc = accumulation_dtype(x.dtype)
+    if count == 0:
+        zeros = torch.zeros(x.size(1), dtype=acc, device=x.device)
+        return 0, zeros, zeros.clone()
+    var, mean = torch.var_mean(x.to(acc), dim=reduction_dims(x), correction=0)
+    return count, mean, var * count
+
+
+def merge_stats(counts: Tensor, means: Tensor, m2s: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge R partial (count, mean, M2) into the mean and biased variance of the union.
+
+    ``counts`` is ``(R,)``, ``means`` and ``m2s`` are ``(R, C)``. This is Chan et al.'s
+    parallel formula in its R-way form, M2 = sum_i M2_i + sum_i n_i (m_i - m)^2, which only
+    ever squares deviations from the global mean (never E[x^2] - E[x]^2). Parts with n_i = 0
+    must carry mean 0 and M2 0. The total count must be positive.
+    """
+    counts = counts.to(means.dtype).unsqueeze(1)
+    total = counts.sum()
+    mean = (counts * means).sum(0) / total
+    m2 = m2s.sum(0) + (counts * (means - mean).square()).sum(0)
+    return mean, m2 / total
+
+
+def elemt_forward(
+    x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None
+) -> Tensor:
+    """y = x * scale + shift, scale = invstd * weight, shift = bias - mean * scale."""
+    scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+    shift = -mean * scale
+    if bias is not None:
+        shift = shift + bias.to(invstd.dtype)
+    y = torch.addcmul(per_channel(shift, x), x.to(invstd.dtype), per_channel(scale, x))
+    return y.to(x.dtype)
+
+
+def backward_reduce(dy: Tensor, x: Tensor, mean: Tensor) -> tuple[Tensor, Tensor]:
+    """sum_dy = sum(dy) and sum_dy_xmu = sum(dy * (x - mean)) per channel."""
+    dims = reduction_dims(x)
+    dy = dy.to(mean.dtype)
+    sum_dy = dy.sum(dims)
+    sum_dy_xmu = (dy * (x.to(mean.dtype) - per_channel(mean, x))).sum(dims)
+    return sum_dy, sum_dy_xmu
+
+
+def backward_elemt(
+    dy: Tensor,
+    x: Tensor,
+    mean: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None,
+    sum_dy: Tensor,
+    sum_dy_xmu: Tensor,
+    count: int,
+) -> Tensor:
+    """dx = (dy - sum_dy/N - (x - mean) * invstd^2 * sum_dy_xmu/N) * invstd * weight.
+
+    ``sum_dy`` and ``sum_dy_xmu`` are the sums over the whole batch and ``count`` is its N.
+    """
+    acc = mean.dtype
+    scale = invstd if weight is None else invstd * weight.to(acc)
+    mean_dy = sum_dy / count
+    xmu_coef = invstd.square() * sum_dy_xmu / count
+    xmu = x.to(acc) - per_channel(mean, x)
+    dx = (dy.to(acc) - per_channel(mean_dy, x) - xmu * per_channel(xmu_coef, x)) * per_channel(scale, x)
+    return dx.to(x.dtype)

@@ -1,0 +1,241 @@
+"""Where the replicas of one layer meet inside one process (nn.DataParallel, ThreadedDataParallel).
+
+``replicate()`` calls ``module._replicate_for_data_parallel()`` once per replica, in device order,
+for every module. The original layer holds a :class:`RoundTracker`; each call joins the replica
+to the tracker's current :class:`ReplicaRound` (index 0 is the master) or opens a new round. A
+round is over for new members once it is *sealed* (its first exchange began, or the caller said
+that replication is done) or once all its members are gone: replicate() holds every replica of a
+round alive while it creates them, and DataParallel drops them all when its forward ends, so a
+replica whose round-mates are all gone starts a new round even when no replica of the failed
+step ever reached the layer.
+
+Replicas exchange through :meth:`ReplicaRound.exchange`, keyed by direction and by the replica's
+call number, so a layer called twice syncs twice and backward meets the right forward. Every
+wait has a timeout; a failure or a timeout breaks the round for every replica at once.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from typing import Any, Callable, Iterable, Sequence
+
+from torch import nn
+
+TIMEOUT_ENV = "SYNCBN_TIMEOUT"
+DEFAULT_TIMEOUT = 60.0
+REPLICA_ATTR = "_sync_replica"
+
+Key = tuple[str, int]
+
+
+class ReplicaSyncError(RuntimeError):
+    """Replicas of a layer could not complete an exchange: one failed, or one never came."""
+
+
+def resolve_timeout(timeout: float | None) -> float:
+    """``timeout`` in seconds, else ``$SYNCBN_TIMEOUT``, else 60."""
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_ENV)
+        if raw is None:
+            return DEFAULT_TIMEOUT
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+    if not timeout > 0:
+        raise ValueError(f"the replica timeout must be positive, got {timeout}")
+    return float(timeout)
+
+
+class _Slot:
+    """One exchange: the payloads posted so far, and the master's result once it is there."""
+
+    __slots__ = ("payloads", "result", "done", "taken")
+
+    def __init__(self) -> None:
+        self.payloads: dict[int, Any] = {}
+        self.result: Any = None
+        self.done = False
+        self.taken = 0
+
+
+class ReplicaRound:
+    """The replicas of one layer that one replicate() call created, for one step."""
+
+    def __init__(self, layer: str, number: int, timeout: float) -> None:
+        self.layer = layer
+        self.number = number
+        self.timeout = timeout
+        self._members: list[weakref.ref] = []
+        self._cond = threading.Condition()
+        self._sealed = False
+        self._slots: dict[Key, _Slot] = {}
+        self._failure: tuple[int | None, BaseException] | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self._members)
+
+    def add(self, replica: nn.Module) -> int:
+        """Add a replica; returns its index (0 is the master)."""
+        with self._cond:
+            self._members.append(weakref.ref(replica))
+            return len(self._members) - 1
+
+    def accepts_members(self) -> bool:
+        with self._cond:
+            return not self._sealed and any(ref() is not None for ref in self._members)
+
+    def seal(self) -> None:
+        with self._cond:
+            self._sealed = True
+
+    def abort(self, error: BaseException, index: int | None = None) -> None:
+        """Break the round: every replica waiting in it, or arriving later, raises."""
+        with self._cond:
+            if self._failure is None:
+                self._failure = (index, error)
+            self._cond.notify_all()
+
+    def exchange(self, key: Key, index: int, payload: Any, combine: Callable[[list[Any]], Any]) -> Any:
+        """Post ``payload``; the master combines all payloads (in index order) and every
+        replica returns the master's result. Raises :class:`ReplicaSyncError` on timeout or
+        when another replica failed; an error raised by ``combine`` is re-raised by the master
+        and breaks the round for the others."""
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            self._sealed = True
+            slot = self._slots.setdefault(key, _Slot())
+            if self._failure is not None:
+                raise self._aborted_error(key, slot)
+            slot.payloads[index] = payload
+            self._cond.notify_all()
+            if index == 0:
+                self._wait(key, slot, deadline, lambda: len(slot.payloads) == self.size)
+                payloads = [slot.payloads[i] for i in range(self.size)]
+        if index == 0:
+            try:
+                result = combine(payloads)
+            except BaseException as error:
+                self.abort(error, 0)
+                raise
+        with self._cond:
+            if index == 0:
+                slot.result, slot.done = result, True
+                self._cond.notify_all()
+            else:
+                self._wait(key, slot, deadline, lambda: slot.done)
+            slot.taken += 1
+            if slot.taken == self.size:
+                del self._slots[key]
+            return slot.result
+
+    def _wait(self, key: Key, slot: _Slot, deadline: float, ready: Callable[[], bool]) -> None:
+        """Wait on the condition (held) until ``ready()``, a failure, or the deadline."""
+        while not ready():
+            if self._failure is not None:
+                raise self._aborted_error(key, slot)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                error = self._timeout_error(key, slot)
+                self._failure = (None, error)
+                self._cond.notify_all()
+                raise error
+            self._cond.wait(remaining)
+
+    def _where(self, key: Key, slot: _Slot) -> str:
+        direction, call = key
+        arrived = sorted(slot.payloads)
+        missing = [i for i in range(self.size) if i not in slot.payloads]
+        return (
+            f"{self.layer}, {direction} call {call} of replica round {self.number}: "
+            f"replicas {arrived} of {self.size} arrived, {missing} missing"
+        )
+
+    def _timeout_error(self, key: Key, slot: _Slot) -> ReplicaSyncError:
+        return ReplicaSyncError(
+            f"{self._where(key, slot)} after waiting {self.timeout:g}s. A replica raised "
+            "before reaching this layer, skipped it in a data-dependent branch, or called it "
+            f"a different number of times. The wait is set by timeout= or ${TIMEOUT_ENV}."
+        )
+
+    def _aborted_error(self, key: Key, slot: _Slot) -> ReplicaSyncError:
+        index, cause = self._failure  # type: ignore[misc]
+        if isinstance(cause, ReplicaSyncError):
+            return ReplicaSyncError(f"{self._where(key, slot)}; the round was broken: {cause}")
+        who = "a replica" if index is None else f"replica {index}"
+        error = ReplicaSyncError(
+            f"{self._where(key, slot)}; {who} failed: {type(cause).__name__}: {cause}"
+        )
+        error.__cause__ = cause
+        return error
+
+
+class ReplicaCall:
+    """One call of a replica's layer within a step: what its exchanges are keyed by."""
+
+    __slots__ = ("round", "index", "number")
+
+    def __init__(self, round: ReplicaRound, index: int, number: int) -> None:
+        self.round, self.index, self.number = round, index, number
+
+    @property
+    def is_master(self) -> bool:
+        return self.index == 0
+
+    def exchange(self, direction: str, payload: Any, combine: Callable[[list[Any]], Any]) -> Any:
+        return self.round.exchange((direction, self.number), self.index, payload, combine)
+
+
+class ReplicaHandle:
+    """What a replica module holds: its round, its index and how often it has synced."""
+
+    __slots__ = ("round", "index", "_calls")
+
+    def __init__(self, round: ReplicaRound, index: int) -> None:
+        self.round, self.index, self._calls = round, index, 0
+
+    def next_call(self) -> ReplicaCall:
+        call = ReplicaCall(self.round, self.index, self._calls)
+        self._calls += 1
+        return call
+
+
+class RoundTracker:
+    """Held by an original layer (and shared by its replicas): hands out replica rounds.
+
+    Pickles and deep-copies as a fresh tracker, so round state never travels with a module.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._current: ReplicaRound | None = None
+        self._rounds = 0
+
+    def __reduce__(self):
+        return (RoundTracker, ())
+
+    def join(self, replica: nn.Module, layer: str, timeout: float) -> ReplicaHandle:
+        with self._lock:
+            if self._current is None or not self._current.accepts_members():
+                self._rounds += 1
+                self._current = ReplicaRound(layer, self._rounds, timeout)
+            return ReplicaHandle(self._current, self._current.add(replica))
+
+
+def replica_rounds(replicas: Iterable[nn.Module]) -> list[ReplicaRound]:
+    """The distinct rounds that the layers inside these replica modules belong to."""
+    rounds: dict[int, ReplicaRound] = {}
+    for replica in replicas:
+        for module in replica.modules():
+            handle = getattr(module, REPLICA_ATTR, None)
+            if handle is not None:
+                rounds.setdefault(id(handle.round), handle.round)
+    return list(rounds.values())
+
+
+def abort_rounds(rounds: Sequence[ReplicaRound], error: BaseException, index: int | None = None) -> None:
+    for round in rounds:
+        round.abort(error, index)

@@ -1,0 +1,216 @@
+"""Synchronized batch norm: the autograd Function, its functional entry point, and the math
+that joins the replicas' statistics.
+
+Forward, per channel c, over the N values of every replica:
+    each replica computes (n_i, mean_i, M2_i); the master merges them with Chan's formula into
+    the global mean and biased variance var; y = (x - mean) * invstd * weight + bias with
+    invstd = 1 / sqrt(var + eps). The master alone updates running_mean / running_var (with
+    the unbiased var * N / (N - 1)) and num_batches_tracked, once per call.
+Backward: each replica computes sum_dy and sum_dy_xmu = sum(dy * (x - mean)); both are summed
+over the replicas in one exchange; then
+    dx = (dy - sum_dy / N - (x - mean) * invstd^2 * sum_dy_xmu / N) * invstd * weight,
+    grad_weight = local sum_dy_xmu * invstd, grad_bias = local sum_dy
+(DataParallel sums parameter gradients over replicas itself).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.autograd.function import Function, once_differentiable
+
+from .backend import Kernels, kernels_for
+from .replicas import ReplicaCall
+
+
+@dataclass(frozen=True)
+class LocalStats:
+    """One replica's contribution: count, mean and M2 per channel, and what it was taken of."""
+
+    count: int
+    mean: Tensor
+    m2: Tensor
+    input_dtype: torch.dtype
+    input_shape: torch.Size
+
+
+def memory_format_of(x: Tensor) -> torch.memory_format:
+    """channels_last (2d or 3d) when ``x`` is laid out so and not also NCHW-contiguous."""
+    if x.is_contiguous():
+        return torch.contiguous_format
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def check_values_per_channel(total: int, layer: str, shapes: list[torch.Size]) -> None:
+    """Batch statistics need more than one value per channel (torch raises ValueError too)."""
+    if total == 1:
+        sizes = ", ".join(str(tuple(s)) for s in shapes)
+        raise ValueError(
+            f"{layer}: Expected more than 1 value per channel when training, got input size "
+            f"{sizes}" + (f" over {len(shapes)} replicas" if len(shapes) > 1 else "")
+        )
+
+
+def merge_replica_stats(
+    parts: list[LocalStats], layer: str, kernels: Kernels
+) -> tuple[int, Tensor, Tensor]:
+    """Global count, mean and biased variance of the replicas' parts, on parts[0]'s device.
+
+    Raises when the replicas disagree on channels or dtype, or hold one value per channel
+    between them, before anything is updated.
+    """
+    first = parts[0]
+    for index, part in enumerate(parts):
+        if part.mean.numel() != first.mean.numel() or part.input_dtype != first.input_dtype:
+            raise RuntimeError(
+                f"{layer}: replicas disagree on their input: replica 0 has "
+                f"{first.mean.numel()} channels of {first.input_dtype}, replica {index} has "
+                f"{part.mean.numel()} channels of {part.input_dtype}"
+            )
+    total = sum(part.count for part in parts)
+    check_values_per_channel(total, layer, [part.input_shape for part in parts])
+    if total == 0:
+        return 0, torch.zeros_like(first.mean), torch.ones_like(first.mean)
+    if len(parts) == 1:
+        return total, first.mean, first.m2 / total
+    device = first.mean.device
+    counts = torch.tensor([part.count for part in parts], dtype=first.mean.dtype, device=device)
+    means = torch.stack([part.mean.to(device) for part in parts])
+    m2s = torch.stack([part.m2.to(device) for part in parts])
+    mean, var = kernels.merge_stats(counts, means, m2s)
+    return total, mean, var
+
+
+def sum_replica_tensors(parts: list[Tensor]) -> Tensor:
+    """Sum of the replicas' tensors on parts[0]'s device, in replica order."""
+    return torch.stack([part.to(parts[0].device) for part in parts]).sum(0)
+
+
+def update_running_stats(
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    num_batches_tracked: Tensor | None,
+    momentum: float | None,
+    mean: Tensor,
+    var: Tensor,
+    count: int,
+) -> None:
+    """One step of nn.BatchNorm's running statistics, from the batch's mean and biased var.
+
+    running = (1 - factor) * running + factor * batch, with the unbiased var * N / (N - 1);
+    factor is ``momentum``, or 1 / num_batches_tracked (the cumulative average) when it is None.
+    An empty batch only counts (as in torch).
+    """
+    if num_batches_tracked is not None:
+        num_batches_tracked.add_(1)
+    if running_mean is None or running_var is None or count == 0:
+        return
+    if momentum is not None:
+        factor = momentum
+    elif num_batches_tracked is not None:
+        factor = 1.0 / int(num_batches_tracked)
+    else:
+        factor = 0.0
+    unbiased = var * (count / (count - 1))
+    running_mean.copy_(mean * factor + running_mean * (1.0 - factor))
+    running_var.copy_(unbiased * factor + running_var * (1.0 - factor))
+
+
+class SyncBatchNormFunction(Function):
+    """Batch norm with statistics over every replica's batch (see the module docstring).
+
+    ``apply(input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
+    replica_call, layer)``; ``replica_call`` is None for a lone replica, ``layer`` names the
+    layer in errors. ``input`` is ``(N, C, *)``; weight, bias and running stats are ``(C,)``
+    or None.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        input: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        running_mean: Tensor | None,
+        running_var: Tensor | None,
+        num_batches_tracked: Tensor | None,
+        momentum: float | None,
+        eps: float,
+        replica_call: ReplicaCall | None,
+        layer: str,
+    ) -> Tensor:
+        x = input.contiguous(memory_format=memory_format_of(input))
+        kernels = kernels_for(x.device)
+        local = LocalStats(*kernels.local_stats(x), x.dtype, x.shape)
+        if replica_call is None:
+            count, mean, var = merge_replica_stats([local], layer, kernels)
+        else:
+            count, mean, var = replica_call.exchange(
+                "forward", local, lambda parts: merge_replica_stats(parts, layer, kernels)
+            )
+            mean, var = mean.to(x.device), var.to(x.device)
+        if replica_call is None or replica_call.is_master:
+            update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, count)
+        invstd = torch.rsqrt(var + eps)
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.count, ctx.replica_call = count, replica_call
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return kernels.elemt_forward(x, mean, invstd, weight, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output: Tensor):  # type: ignore[override]
+        x, weight, mean, invstd = ctx.saved_tensors
+        dy = grad_output.contiguous(memory_format=memory_format_of(x))
+        kernels = kernels_for(x.device)
+        sum_dy, sum_dy_xmu = kernels.backward_reduce(dy, x, mean)
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            total_dy, total_dy_xmu = sum_dy, sum_dy_xmu
+            if ctx.replica_call is not None:
+                both = ctx.replica_call.exchange("backward", torch.cat([sum_dy, sum_dy_xmu]), sum_replica_tensors)
+                total_dy, total_dy_xmu = both.to(x.device).chunk(2)
+            grad_input = kernels.backward_elemt(dy, x, mean, invstd, weight, total_dy, total_dy_xmu, ctx.count)
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_bias = sum_dy.to(ctx.bias_dtype)
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+def sync_batch_norm(
+    input: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    momentum: float | None = 0.1,
+    eps: float = 1e-5,
+    *,
+    num_batches_tracked: Tensor | None = None,
+    replica_call: ReplicaCall | None = None,
+    layer: str = "sync_batch_norm",
+) -> Tensor:
+    r"""Batch norm over the batch statistics of every replica, as in training mode.
+
+    .. math::
+        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot \gamma + \beta
+
+    with E and Var (biased) taken per channel over dim 0 and every dim after 1 of all the
+    replicas' inputs together. ``input`` is ``(N, C, *)`` of a floating dtype (float16 and
+    bfloat16 accumulate in float32); ``weight``, ``bias``, ``running_mean`` and
+    ``running_var`` are ``(C,)`` or None. The running statistics (when given) and
+    ``num_batches_tracked`` are updated in place, once, by the master replica (index 0):
+    ``running = (1 - momentum) * running + momentum * batch`` with the unbiased variance, or
+    the cumulative average when ``momentum`` is None. Without ``replica_call`` this is an
+    ordinary training-mode batch norm through the same kernels. Returns ``y``, shaped and laid
+    out as ``input``.
+    """
+    return SyncBatchNormFunction.apply(
+        input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, replica_call, layer
+    )

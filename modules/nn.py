@@ -1,0 +1,288 @@
+"""User API: synchronized batch norm layers, drop-in for ``nn.BatchNorm1d/2d/3d``.
+
+``from modules import nn as NN``; ``NN.BatchNorm2d(64)`` is ``NN.SyncBatchNorm2d(64)``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from functions import sync_batch_norm
+from functions.replicas import REPLICA_ATTR, ReplicaHandle, RoundTracker, resolve_timeout
+
+__all__ = [
+    "SyncBatchNorm",
+    "SyncBatchNorm1d",
+    "SyncBatchNorm2d",
+    "SyncBatchNorm3d",
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
+    "convert_sync_batchnorm",
+    "revert_sync_batchnorm",
+]
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class SyncBatchNorm(_BatchNorm):
+    r"""Batch norm whose training statistics cover the whole batch, however it is split.
+
+    .. math::
+        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot \gamma + \beta
+
+    Mean and (biased) variance are taken per channel over the batch and spatial dims of every
+    replica's input together when the layer runs as ``nn.DataParallel`` or
+    :class:`~modules.parallel.ThreadedDataParallel` replicas; on one device it is exactly
+    ``nn.BatchNorm*`` (through ``F.batch_norm``). Running statistics are updated once per step
+    with the unbiased variance, as ``nn.BatchNorm*`` does on the full batch. Eval with running
+    statistics never communicates.
+
+    Args:
+        num_features: C, the size of dim 1 of the input.
+        eps: added to the variance for numerical stability; must be positive. Default: 1e-5
+        momentum: weight of the batch statistics in the running statistics, or None for the
+            cumulative average. Default: 0.1
+        affine: learn a per-channel weight (and bias). Default: True
+        track_running_stats: keep running statistics; without them batch statistics are
+            used (and synchronized) in eval mode too. Default: True
+        process_group: reserved for synchronization across processes (torch.distributed).
+        timeout: seconds a replica waits for the others before raising
+            :class:`~functions.ReplicaSyncError`. Default: ``$SYNCBN_TIMEOUT``, else 60.
+        bias: learn a bias (with ``affine``). Default: True
+
+    Shape: input ``(N, C, *)`` of rank >= 2 (the 1d/2d/3d classes check the rank as
+    ``nn.BatchNorm*d`` do); output the same shape, dtype and memory format.
+    """
+
+    _expected_ranks: tuple[int, ...] | None = None
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: Any | None = None,
+        timeout: float | None = None,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        *,
+        bias: bool = True,
+    ) -> None:
+        if not (isinstance(num_features, int) and num_features > 0):
+            raise ValueError(f"num_features must be a positive int, got {num_features!r}")
+        if not eps > 0:
+            raise ValueError(f"batch_norm eps must be positive, but got {eps}")
+        if timeout is not None:
+            resolve_timeout(timeout)
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, bias=bias
+        )
+        self.process_group = process_group
+        self.timeout = timeout
+        self.layer_name: str | None = None
+        self._round_tracker = RoundTracker()
+        setattr(self, REPLICA_ATTR, None)
+
+    def _label(self) -> str:
+        name = f" '{self.layer_name}'" if self.layer_name else ""
+        return f"{type(self).__name__}({self.num_features}){name}"
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", timeout={self.timeout}" if self.timeout is not None else "")
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        ranks = self._expected_ranks
+        if ranks is None and input.dim() < 2:
+            raise ValueError(f"{self._label()}: expected at least 2D input (got {input.dim()}D input)")
+        if ranks is not None and input.dim() not in ranks:
+            expected = " or ".join(f"{r}D" for r in ranks)
+            raise ValueError(f"{self._label()}: expected {expected} input (got {input.dim()}D input)")
+
+    def _check_input(self, input: Tensor) -> None:
+        """Everything that can be wrong with the input, checked before any state changes."""
+        self._check_input_dim(input)
+        if input.size(1) != self.num_features:
+            raise RuntimeError(
+                f"{self._label()}: expected {self.num_features} channels in dim 1, "
+                f"got input of size {tuple(input.shape)}"
+            )
+        if not input.is_floating_point():
+            raise RuntimeError(f"{self._label()}: expected a floating point input, got {input.dtype}")
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            tensor = getattr(self, name)
+            if tensor is None:
+                continue
+            if tensor.device != input.device:
+                raise RuntimeError(
+                    f"{self._label()}: input is on {input.device} but {name} is on {tensor.device}"
+                )
+            if tensor.dtype != input.dtype and not (input.dtype in _HALF_DTYPES and tensor.dtype == torch.float32):
+                raise RuntimeError(
+                    f"{self._label()}: input of {input.dtype} needs {name} of the same dtype "
+                    f"(or float32 for half inputs), got {tensor.dtype}"
+                )
+
+    def _replicate_for_data_parallel(self):
+        replica = super()._replicate_for_data_parallel()
+        handle = self._round_tracker.join(replica, self._label(), resolve_timeout(self.timeout))
+        setattr(replica, REPLICA_ATTR, handle)
+        return replica
+
+    def forward(self, input: Tensor) -> Tensor:
+        handle: ReplicaHandle | None = getattr(self, REPLICA_ATTR)
+        try:
+            return self._forward(input, handle)
+        except BaseException as error:
+            if handle is not None:
+                handle.round.abort(error, handle.index)
+            raise
+
+    def _forward(self, input: Tensor, handle: ReplicaHandle | None) -> Tensor:
+        self._check_input(input)
+        uses_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        self._check_no_process_group(uses_batch_stats)
+        synced = uses_batch_stats and handle is not None and handle.round.size > 1
+        if not synced:
+            if uses_batch_stats and input.numel() == input.size(1):
+                raise ValueError(
+                    f"{self._label()}: Expected more than 1 value per channel when training, "
+                    f"got input size {input.size()}"
+                )
+            return super().forward(input)
+        updates = self.training and self.track_running_stats
+        return sync_batch_norm(
+            input,
+            self.running_mean if updates else None,
+            self.running_var if updates else None,
+            self.weight,
+            self.bias,
+            self.momentum,
+            self.eps,
+            num_batches_tracked=self.num_batches_tracked if updates else None,
+            replica_call=handle.next_call(),
+            layer=self._label(),
+        )
+
+    def _check_no_process_group(self, uses_batch_stats: bool) -> None:
+        """Cross-process sync is not built yet: refuse rather than give per-process statistics."""
+        if not uses_batch_stats:
+            return
+        dist = torch.distributed
+        spans_processes = self.process_group is not None or (
+            dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        )
+        if spans_processes:
+            raise NotImplementedError(
+                f"{self._label()}: synchronization across processes (torch.distributed) is not "
+                "implemented yet; batch statistics would silently be per process"
+            )
+
+
+class SyncBatchNorm1d(SyncBatchNorm):
+    """:class:`SyncBatchNorm` for ``(N, C)`` or ``(N, C, L)`` input, as ``nn.BatchNorm1d``."""
+
+    _expected_ranks = (2, 3)
+
+
+class SyncBatchNorm2d(SyncBatchNorm):
+    """:class:`SyncBatchNorm` for ``(N, C, H, W)`` input, as ``nn.BatchNorm2d``."""
+
+    _expected_ranks = (4,)
+
+
+class SyncBatchNorm3d(SyncBatchNorm):
+    """:class:`SyncBatchNorm` for ``(N, C, D, H, W)`` input, as ``nn.BatchNorm3d``."""
+
+    _expected_ranks = (5,)
+
+
+BatchNorm1d = SyncBatchNorm1d
+BatchNorm2d = SyncBatchNorm2d
+BatchNorm3d = SyncBatchNorm3d
+
+_TO_SYNC: dict[type, type[SyncBatchNorm]] = {
+    nn.BatchNorm1d: SyncBatchNorm1d,
+    nn.BatchNorm2d: SyncBatchNorm2d,
+    nn.BatchNorm3d: SyncBatchNorm3d,
+    nn.SyncBatchNorm: SyncBatchNorm,
+}
+_TO_TORCH: dict[type, type[_BatchNorm]] = {sync: plain for plain, sync in _TO_SYNC.items()}
+
+
+def _move_state(source: _BatchNorm, target: _BatchNorm) -> _BatchNorm:
+    """Give ``target`` the very parameters, buffers and training flag of ``source``."""
+    target.weight, target.bias = source.weight, source.bias
+    target.running_mean, target.running_var = source.running_mean, source.running_var
+    target.num_batches_tracked = source.num_batches_tracked
+    target.train(source.training)
+    if hasattr(source, "qconfig"):
+        target.qconfig = source.qconfig
+    return target
+
+
+def _layer_args(layer: _BatchNorm) -> dict[str, Any]:
+    return dict(
+        num_features=layer.num_features,
+        eps=layer.eps,
+        momentum=layer.momentum,
+        affine=layer.affine,
+        track_running_stats=layer.track_running_stats,
+        device="meta",
+        bias=layer.bias is not None or not layer.affine,
+    )
+
+
+def _convert(module: nn.Module, name: str, process_group: Any | None) -> nn.Module:
+    if isinstance(module, SyncBatchNorm):
+        if process_group is not None:
+            module.process_group = process_group
+        module.layer_name = module.layer_name or name or None
+        result: nn.Module = module
+    elif type(module) in _TO_SYNC:
+        result = _move_state(module, _TO_SYNC[type(module)](**_layer_args(module)))  # type: ignore[arg-type]
+        result.process_group = process_group
+        result.layer_name = name or None
+    else:
+        result = module
+    for child_name, child in module.named_children():
+        result.add_module(child_name, _convert(child, f"{name}.{child_name}" if name else child_name, process_group))
+    return result
+
+
+def convert_sync_batchnorm(module: nn.Module, process_group: Any | None = None) -> nn.Module:
+    """Turn every ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` in ``module`` into ours.
+
+    The new layers hold the very same weight and bias Parameters (so optimizers keep working),
+    buffers, requires_grad, training flag, device and dtype; each gets its path in the model
+    as ``layer_name`` for error messages. Returns the converted module (a new object when
+    ``module`` itself is a batch norm layer).
+    """
+    return _convert(module, "", process_group)
+
+
+def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """The way back: our layers become ``nn.BatchNorm1d/2d/3d`` (``SyncBatchNorm``, of any
+    rank, becomes ``nn.SyncBatchNorm``), keeping parameters, buffers and the training flag."""
+    result = module
+    if isinstance(module, SyncBatchNorm):
+        plain = next(_TO_TORCH[cls] for cls in type(module).__mro__ if cls in _TO_TORCH)
+        args = _layer_args(module)
+        if plain is nn.SyncBatchNorm:
+            args["process_group"] = module.process_group
+        result = _move_state(module, plain(**args))
+    for child_name, child in module.named_children():
+        result.add_module(child_name, revert_sync_batchnorm(child))
+    return result
+
+
+def name_sync_layers(module: nn.Module) -> None:
+    """Give every unnamed layer of ours its path in ``module``, for error messages."""
+    for name, layer in module.named_modules():
+        if isinstance(layer, SyncBatchNorm) and not layer.layer_name:
+            layer.layer_name = name or None

@@ -1,0 +1,311 @@
+"""ThreadedDataParallel: nn.DataParallel on any list of devices, CPU included, with a backward
+thread per replica.
+
+On the CPU, ``nn.DataParallel`` does not replicate, and the CPU autograd engine runs one backward
+on one thread, so replicas of a synchronized layer could never meet in backward. This wrapper
+scatters the batch along ``dim``, runs each replica's forward in a thread, gathers the outputs to
+``output_device`` through an autograd Function whose backward starts one ``torch.autograd.grad``
+per replica, each on its own thread, and hands the input and parameter gradients back to the
+original graph. Devices may repeat: ``['cpu'] * 4``, ``['cuda:0'] * 2``.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import ExitStack, contextmanager
+from typing import Any, Callable, Iterator, Sequence, TypeVar
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import Function, once_differentiable
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from functions.replicas import ReplicaRound, ReplicaSyncError, abort_rounds, replica_rounds
+
+from .nn import name_sync_layers
+
+__all__ = ["ThreadedDataParallel"]
+
+T = TypeVar("T")
+
+
+def _normalize_device(device: Any) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _scatter(obj: Any, devices: Sequence[torch.device], dim: int) -> list[Any]:
+    """Split tensors along ``dim`` into at most len(devices) chunks (as Tensor.chunk does: batch
+    10 on 4 devices is 3, 3, 3, 1), one per device; containers are split element by element
+    and other objects are shared. The result has as many entries as the fewest chunks."""
+    if isinstance(obj, Tensor):
+        return [chunk.to(device) for chunk, device in zip(obj.chunk(len(devices), dim), devices)]
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return [type(obj)(*parts) for parts in zip(*(_scatter(item, devices, dim) for item in obj))]
+    if isinstance(obj, (tuple, list)) and len(obj) > 0:
+        return [type(obj)(parts) for parts in zip(*(_scatter(item, devices, dim) for item in obj))]
+    if isinstance(obj, dict) and len(obj) > 0:
+        keys = list(obj)
+        return [type(obj)(zip(keys, parts)) for parts in zip(*(_scatter(obj[k], devices, dim) for k in keys))]
+    return [obj for _ in devices]
+
+
+def _scatter_kwargs(
+    inputs: tuple, kwargs: dict, devices: Sequence[torch.device], dim: int
+) -> tuple[list[tuple], list[dict]]:
+    if not inputs and not kwargs:
+        inputs = ((),)
+    split_inputs = _scatter(inputs, devices, dim) if inputs else []
+    split_kwargs = _scatter(kwargs, devices, dim) if kwargs else []
+    count = max(len(split_inputs), len(split_kwargs))
+    split_inputs += [()] * (count - len(split_inputs))
+    split_kwargs += [{}] * (count - len(split_kwargs))
+    return split_inputs, split_kwargs
+
+
+def _replicate(module: nn.Module, devices: Sequence[torch.device]) -> tuple[list[nn.Module], list[list[Tensor]]]:
+    """Replicas of ``module`` on ``devices``, made as torch's replicate() makes them (one
+    ``_replicate_for_data_parallel()`` per replica, in device order, for every module).
+
+    Replica j's parameters are fresh leaves (returned, aligned with ``module.parameters()``), so
+    that its backward can run on its own. Replica 0 holds the original buffers (running stats
+    updated there land on the module, as under nn.DataParallel); the others hold copies.
+    """
+    params = list(module.parameters())
+    param_index = {p: i for i, p in enumerate(params)}
+    buffers = list(module.buffers())
+    buffer_index = {b: i for i, b in enumerate(buffers)}
+    param_leaves = [[p.detach().to(d).requires_grad_(p.requires_grad) for p in params] for d in devices]
+    buffer_copies = [buffers] + [[b.detach().to(d, copy=True) for b in buffers] for d in devices[1:]]
+
+    modules = list(module.modules())
+    module_index = {m: i for i, m in enumerate(modules)}
+    copies = [[m._replicate_for_data_parallel() for _ in devices] for m in modules]
+    for i, original in enumerate(modules):
+        for j, replica in enumerate(copies[i]):
+            for key, child in original._modules.items():
+                replica._modules[key] = None if child is None else copies[module_index[child]][j]
+            for key, param in original._parameters.items():
+                if param is None:
+                    replica._parameters[key] = None
+                else:
+                    setattr(replica, key, param_leaves[j][param_index[param]])
+            for key, buffer in original._buffers.items():
+                replica._buffers[key] = None if buffer is None else buffer_copies[j][buffer_index[buffer]]
+    return [copies[0][j] for j in range(len(devices))], param_leaves
+
+
+class _ThreadState:
+    """The caller's thread-local state (grad mode, autocast, CUDA stream) for worker threads."""
+
+    def __init__(self, devices: Sequence[torch.device]) -> None:
+        self.grad_enabled = torch.is_grad_enabled()
+        types = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        self.autocast = [(t, torch.get_autocast_dtype(t)) for t in types if torch.is_autocast_enabled(t)]
+        self.streams = {d: torch.cuda.current_stream(d) for d in devices if d.type == "cuda"}
+
+    @contextmanager
+    def on(self, device: torch.device, grad_enabled: bool | None = None) -> Iterator[None]:
+        with ExitStack() as stack:
+            stack.enter_context(torch.set_grad_enabled(self.grad_enabled if grad_enabled is None else grad_enabled))
+            for device_type, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            if device.type == "cuda":
+                stack.enter_context(torch.cuda.device(device))
+                stack.enter_context(torch.cuda.stream(self.streams[device]))
+            yield
+
+
+def _run_in_threads(jobs: Sequence[Callable[[], T]], rounds: Sequence[ReplicaRound]) -> list[T]:
+    """Run one job per replica, each in its own thread. When one raises, the rounds of the
+    synchronized layers are broken at once so that no replica waits for it; after all threads
+    ended, the first error that is not such a consequence is re-raised."""
+    results: list[Any] = [None] * len(jobs)
+    errors: list[BaseException | None] = [None] * len(jobs)
+
+    def work(index: int) -> None:
+        try:
+            results[index] = jobs[index]()
+        except BaseException as error:
+            errors[index] = error
+            abort_rounds(rounds, error, index)
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(jobs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failed = [e for e in errors if e is not None]
+    if failed:
+        raise next((e for e in failed if not isinstance(e, ReplicaSyncError)), failed[0])
+    return results
+
+
+def _gather(values: Sequence[Any], device: torch.device, dim: int) -> Any:
+    """Tensors are concatenated along ``dim`` (scalars stacked); other values must agree."""
+    first = values[0]
+    if isinstance(first, Tensor):
+        moved = [v.to(device) for v in values]
+        return torch.stack(moved) if first.dim() == 0 else torch.cat(moved, dim)
+    return first if all(v is first or v == first for v in values) else list(values)
+
+
+class _ReplicaRun:
+    """One forward of the replicas: what their threaded backward needs (never the replicas)."""
+
+    def __init__(self, outputs, input_leaves, param_leaves, params, devices, rounds, state, dim):
+        self.outputs: list[list[Any]] = outputs  # per replica, the flat outputs
+        self.input_leaves: list[list[Tensor]] = input_leaves  # per replica
+        self.param_leaves: list[list[Tensor]] = param_leaves  # per replica, aligned with params
+        self.params: list[Tensor] = params
+        self.devices, self.rounds, self.state, self.dim = devices, rounds, state, dim
+        self.tensor_positions = [k for k, v in enumerate(outputs[0]) if isinstance(v, Tensor)]
+
+    def gathered(self, output_device: torch.device) -> list[Tensor]:
+        return [_gather([out[k].detach() for out in self.outputs], output_device, self.dim) for k in self.tensor_positions]
+
+    def _grads_of_replica(self, grads: Sequence[Tensor], j: int) -> list[Tensor | None]:
+        outs, out_grads = [], []
+        for k, grad in zip(self.tensor_positions, grads):
+            value = self.outputs[j][k]
+            if value.requires_grad:
+                outs.append(value)
+                out_grads.append(self._slice(grad, k, j).to(self.devices[j]))
+        leaves = self.input_leaves[j] + self.param_leaves[j]
+        if not outs or not leaves:
+            return [None] * len(leaves)
+        with self.state.on(self.devices[j], grad_enabled=False):
+            return list(torch.autograd.grad(outs, leaves, out_grads, retain_graph=True, allow_unused=True))
+
+    def _slice(self, grad: Tensor, k: int, j: int) -> Tensor:
+        values = [out[k] for out in self.outputs]
+        if values[0].dim() == 0:
+            return grad[j]
+        start = sum(v.size(self.dim) for v in values[:j])
+        return grad.narrow(self.dim, start, values[j].size(self.dim))
+
+    def backward(self, grads: Sequence[Tensor]) -> list[Tensor | None]:
+        """Gradients for the scattered inputs (replica by replica), then for the params."""
+        jobs = [lambda j=j: self._grads_of_replica(grads, j) for j in range(len(self.devices))]
+        per_replica = _run_in_threads(jobs, self.rounds)
+        input_grads = [g for j, replica in enumerate(per_replica) for g in replica[: len(self.input_leaves[j])]]
+        param_grads = []
+        for i, param in enumerate(self.params):
+            parts = [replica[len(self.input_leaves[j]) + i] for j, replica in enumerate(per_replica)]
+            present = [g.to(param.device) for g in parts if g is not None]
+            param_grads.append(torch.stack(present).sum(0) if present else None)
+        return input_grads + param_grads
+
+
+class _GatherWithReplicaBackward(Function):
+    """Gathers the replicas' outputs; its backward runs each replica's backward on a thread."""
+
+    @staticmethod
+    def forward(ctx, run: _ReplicaRun, output_device: torch.device, *graph_inputs: Tensor):  # type: ignore[override]
+        ctx.run = run
+        outputs = run.gathered(output_device)
+        ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point() and not o.is_complex()])
+        return tuple(outputs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads: Tensor):  # type: ignore[override]
+        return (None, None, *ctx.run.backward(grads))
+
+
+class ThreadedDataParallel(nn.Module):
+    """Data parallelism in threads, on any list of devices (CPU included; devices may repeat).
+
+    Behaves like ``nn.DataParallel``: scatters positional and keyword tensors along ``dim`` into
+    at most ``len(devices)`` chunks, runs one replica per chunk in its own thread (under the
+    caller's grad mode and autocast), and gathers the outputs on ``output_device`` (default
+    ``devices[0]``). Parameter gradients land on the original module; running statistics of
+    replica 0 (on ``devices[0]``) are the module's own. Each replica's backward runs on its own
+    thread, so synchronized batch norm replicas meet in backward on the CPU too. When a replica
+    raises, the others are released at once and the original error is re-raised.
+
+    The module must live on ``devices[0]``. Double backward through the replicas is not
+    supported.
+    """
+
+    def __init__(self, module: nn.Module, devices: Sequence[Any], output_device: Any = None, dim: int = 0) -> None:
+        super().__init__()
+        if len(devices) == 0:
+            raise ValueError("ThreadedDataParallel needs at least one device")
+        self.module = module
+        self.devices = [_normalize_device(d) for d in devices]
+        self.output_device = self.devices[0] if output_device is None else _normalize_device(output_device)
+        self.dim = dim
+        name_sync_layers(module)
+
+    def _check_module_device(self) -> None:
+        home = self.devices[0]
+        for name, tensor in [*self.module.named_parameters(), *self.module.named_buffers()]:
+            if tensor.device != home:
+                raise RuntimeError(
+                    f"ThreadedDataParallel: the module must have its parameters and buffers on "
+                    f"devices[0] ({home}), but {name} is on {tensor.device}"
+                )
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._check_module_device()
+        split_inputs, split_kwargs = _scatter_kwargs(inputs, kwargs, self.devices, self.dim)
+        if len(self.devices) == 1:
+            return self.module(*split_inputs[0], **split_kwargs[0])
+        devices = self.devices[: len(split_inputs)]
+        state = _ThreadState(devices)
+        replicas, param_leaves = _replicate(self.module, devices)
+        rounds = replica_rounds(replicas)
+        for round in rounds:
+            round.seal()
+
+        chunk_tensors: list[Tensor] = []
+        input_leaves: list[list[Tensor]] = []
+        jobs = []
+        for replica, args, kwargs_j, device in zip(replicas, split_inputs, split_kwargs, devices):
+            flat, spec = tree_flatten((args, kwargs_j))
+            leaves = []
+            for i, value in enumerate(flat):
+                if isinstance(value, Tensor) and value.requires_grad and state.grad_enabled:
+                    chunk_tensors.append(value)
+                    flat[i] = value.detach().requires_grad_()
+                    leaves.append(flat[i])
+            input_leaves.append(leaves)
+            args_j, kw_j = tree_unflatten(flat, spec)
+            jobs.append(lambda r=replica, a=args_j, k=kw_j, d=device: self._run_replica(r, a, k, d, state))
+        del replicas
+        results = _run_in_threads(jobs, rounds)
+
+        flat_outputs, specs = zip(*(tree_flatten(out) for out in results))
+        if any(spec != specs[0] for spec in specs):
+            raise RuntimeError("ThreadedDataParallel: replicas returned outputs of different structures")
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        grad_index = [i for i, p in enumerate(self.module.parameters()) if p.requires_grad]
+        run = _ReplicaRun(
+            list(map(list, flat_outputs)),
+            input_leaves,
+            [[leaves[i] for i in grad_index] for leaves in param_leaves],
+            params,
+            devices,
+            rounds,
+            state,
+            self.dim,
+        )
+        graph_inputs = chunk_tensors + params if state.grad_enabled else []
+        if any(t.requires_grad for t in graph_inputs):
+            gathered = _GatherWithReplicaBackward.apply(run, self.output_device, *graph_inputs)
+        else:
+            gathered = run.gathered(self.output_device)
+        flat = [
+            None if isinstance(value, Tensor) else _gather([out[k] for out in run.outputs], self.output_device, self.dim)
+            for k, value in enumerate(run.outputs[0])
+        ]
+        for k, tensor in zip(run.tensor_positions, gathered):
+            flat[k] = tensor
+        return tree_unflatten(flat, specs[0])
+
+    @staticmethod
+    def _run_replica(replica: nn.Module, args: tuple, kwargs: dict, device: torch.device, state: _ThreadState) -> Any:
+        with state.on(device):
+            return replica(*args, **kwargs)
