@@ -2,12 +2,17 @@
 
 ``replicate()`` calls ``module._replicate_for_data_parallel()`` once per replica, in device order,
 for every module. The original layer holds a :class:`RoundTracker`; each call joins the replica
-to the tracker's current :class:`ReplicaRound` (index 0 is the master) or opens a new round. A
-round is over for new members once it is *sealed* (its first exchange began, or the caller said
-that replication is done) or once all its members are gone: replicate() holds every replica of a
-round alive while it creates them, and DataParallel drops them all when its forward ends, so a
-replica whose round-mates are all gone starts a new round even when no replica of the failed
-step ever reached the layer.
+to the tracker's current :class:`ReplicaRound` (index 0 is the master) or opens a new round.
+Where a round begins:
+
+- under torch's own ``replicate()`` (stock ``nn.DataParallel``), the replica's position is read
+  from that call's loop (:func:`torch_replicate_position`): replica 0 opens a new round. This
+  holds even when the previous step failed before any replica reached the layer and its
+  replicas are still alive (an exception's traceback keeps DataParallel's frame alive);
+- otherwise a round takes members until it is *sealed* (its first exchange began, or the caller,
+  like ThreadedDataParallel, said that replication is done) or until all its members are gone:
+  a replicate() holds every replica of a round alive while it creates them and drops them after
+  the step, so a replica whose round-mates are all gone starts a new round.
 
 Replicas exchange through :meth:`ReplicaRound.exchange`, keyed by direction and by the replica's
 call number, so a layer called twice syncs twice and backward meets the right forward. Every
@@ -16,12 +21,14 @@ wait has a timeout; a failure or a timeout breaks the round for every replica at
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import weakref
 from typing import Any, Callable, Iterable, Sequence
 
 from torch import nn
+from torch.nn.parallel.replicate import replicate as _torch_replicate
 
 TIMEOUT_ENV = "SYNCBN_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0
@@ -87,6 +94,10 @@ class ReplicaRound:
     def accepts_members(self) -> bool:
         with self._cond:
             return not self._sealed and any(ref() is not None for ref in self._members)
+
+    @property
+    def sealed(self) -> bool:
+        return self._sealed
 
     def seal(self) -> None:
         with self._cond:
@@ -218,11 +229,36 @@ class RoundTracker:
         return (RoundTracker, ())
 
     def join(self, replica: nn.Module, layer: str, timeout: float) -> ReplicaHandle:
+        position = torch_replicate_position()
         with self._lock:
-            if self._current is None or not self._current.accepts_members():
+            if self._starts_round(position):
                 self._rounds += 1
                 self._current = ReplicaRound(layer, self._rounds, timeout)
             return ReplicaHandle(self._current, self._current.add(replica))
+
+    def _starts_round(self, position: int | None) -> bool:
+        if self._current is None:
+            return True
+        if position is not None:
+            return position == 0 or self._current.sealed
+        return not self._current.accepts_members()
+
+
+_REPLICATE_CODE = _torch_replicate.__code__
+
+
+def torch_replicate_position(max_depth: int = 8) -> int | None:
+    """The replica index ``j`` of torch's ``replicate()`` loop when it is the caller (a few
+    frames up, through ``_replicate_for_data_parallel`` overrides), else None."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        if frame.f_code is _REPLICATE_CODE:
+            j = frame.f_locals.get("j")
+            return j if isinstance(j, int) else None
+        frame = frame.f_back
+    return None
 
 
 def replica_rounds(replicas: Iterable[nn.Module]) -> list[ReplicaRound]:

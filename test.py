@@ -1,0 +1,362 @@
+"""Side-by-side check of synchronized batch norm against ``nn.BatchNorm*`` on the full batch.
+
+For every case, two identical small networks are built from the same seed:
+
+* the reference keeps torch's ``nn.BatchNorm1d/2d/3d`` and sees the FULL batch on one device;
+* the other is a deep copy converted with ``modules.nn.convert_sync_batchnorm`` and runs as
+  replicas, each on a chunk of the batch: under stock ``nn.DataParallel`` over the GPUs when
+  ``--device cuda`` and there are 2 or more of them, else under
+  ``modules.parallel.ThreadedDataParallel(model, [device] * replicas)``. The default batch of 10
+  on 4 replicas gives the uneven chunks 3, 3, 3, 1 (a chunk of one sample: per-replica
+  statistics of a 1d layer could not even be taken).
+
+Both are trained for a few SGD steps on the same inputs (offset from zero, so that the mean is
+not small against the spread) with the same random upstream gradient. After each step the
+script compares the outputs, the input gradients and, per layer, the gradient of every
+parameter (conv/linear weight and bias, batch norm weight and bias) and every buffer
+(running_mean, running_var, num_batches_tracked). Synchronized statistics make the two agree up
+to rounding; per-replica statistics change the outputs, every gradient and the running stats.
+
+The cases (``--cases``):
+
+* ``1d``: Linear, BatchNorm1d on (N, C), ReLU, Unflatten, Conv1d, BatchNorm1d on (N, C, L);
+* ``2d``: Conv2d, BatchNorm2d, ReLU, Conv2d, BatchNorm2d;
+* ``3d``: Conv3d, BatchNorm3d, ReLU, Conv3d, BatchNorm3d.
+
+In each case the first batch norm uses momentum 0.1 and the last one momentum None (the
+cumulative average, which depends on num_batches_tracked); batch norm weights and biases start
+random, not at 1 and 0, so that they matter in every gradient.
+
+The output is a table with one row per (case, layer, quantity): the largest absolute difference
+over all steps, the tolerance (atol + rtol * the largest absolute reference value over all
+steps; integer buffers must match exactly) and OK/FAIL. The exit status is 1 when any row
+fails, 0 otherwise.
+
+Options:
+  --replicas N      replicas (default: 4 threads; all GPUs under nn.DataParallel)
+  --device cpu|cuda default: cuda when 2+ GPUs are visible, else cpu
+  --steps S         SGD steps per case (default 5)
+  --batch B         full batch size (default 10)
+  --dtype D         float64 (default) | float32 | bfloat16 | float16; the half dtypes run the
+                    float32 models under torch.autocast, so the batch norm layers see half
+                    inputs with float32 weights and running stats, as in mixed precision training
+  --channels-last   2d and 3d models and inputs in channels_last / channels_last_3d
+  --cases C [C ...] subset of 1d 2d 3d (default: all)
+  --seed N          seed of the models, inputs and upstream gradients (default 0)
+  --lr LR           SGD learning rate (default 0.01)
+
+Usage: ``python test.py [options]`` from the repository root.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from functions import backend_info
+from modules import nn as NN
+from modules.parallel import ThreadedDataParallel
+
+HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float64": torch.float64, "float32": torch.float32, **HALF_DTYPES}
+
+
+@dataclass(frozen=True)
+class Case:
+    """A small network and the shape of one sample of its input."""
+
+    build: Callable[[], nn.Module]
+    sample_shape: tuple[int, ...]
+    channels_last: torch.memory_format | None  # the layout --channels-last asks for, if any
+
+
+def build_1d() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(8, 12),
+        nn.BatchNorm1d(12),
+        nn.ReLU(),
+        nn.Unflatten(1, (4, 3)),
+        nn.Conv1d(4, 5, kernel_size=2),
+        nn.BatchNorm1d(5, momentum=None),
+    )
+
+
+def build_2d() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 6, kernel_size=3, padding=1),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.Conv2d(6, 4, kernel_size=3),
+        nn.BatchNorm2d(4, momentum=None),
+    )
+
+
+def build_3d() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv3d(2, 4, kernel_size=3, padding=1),
+        nn.BatchNorm3d(4),
+        nn.ReLU(),
+        nn.Conv3d(4, 3, kernel_size=3),
+        nn.BatchNorm3d(3, momentum=None),
+    )
+
+
+CASES: dict[str, Case] = {
+    "1d": Case(build_1d, (8,), None),
+    "2d": Case(build_2d, (3, 8, 8), torch.channels_last),
+    "3d": Case(build_3d, (2, 5, 5, 5), torch.channels_last_3d),
+}
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+
+    def of(self, reference_scale: float) -> float:
+        return self.atol + self.rtol * reference_scale
+
+
+# Tolerances per dtype, for values ("output", "running_mean", ...) and for gradients.
+# float64: both sides are exact up to rounding (~1e-16 relative), so 1e-9 leaves no room
+#   for a wrong formula while any reduction order passes.
+# float32: one forward is ~1e-6 apart (different reduction orders over chunks and the
+#   full batch, eps 1.2e-7, times the sums of a few dozen terms). Gradients go through
+#   two batch norms, whose backward subtracts means of nearly cancelling terms, and
+#   after a few SGD steps the parameters themselves are ~1e-6 apart; observed worst
+#   differences are a few 1e-6 absolute; 1e-4 leaves an order of magnitude of headroom
+#   and is still far below what per-replica statistics change (~1e-1).
+# bfloat16/float16: the batch norm outputs are rounded to 8 (bf16) or 11 (fp16) mantissa
+#   bits, so values one ulp apart (4e-3 bf16, 5e-4 fp16 relative) flip through the next
+#   conv and ReLU; gradients sum many such rounded products.
+TOLERANCES: dict[torch.dtype, dict[str, Tolerance]] = {
+    torch.float64: {"value": Tolerance(1e-9, 1e-9), "grad": Tolerance(1e-9, 1e-9)},
+    torch.float32: {"value": Tolerance(1e-5, 1e-5), "grad": Tolerance(1e-4, 1e-4)},
+    torch.float16: {"value": Tolerance(1e-2, 1e-2), "grad": Tolerance(5e-2, 2e-2)},
+    torch.bfloat16: {"value": Tolerance(5e-2, 5e-2), "grad": Tolerance(2e-1, 5e-2)},
+}
+EXACT = Tolerance(0.0, 0.0)  # integer buffers (num_batches_tracked)
+
+
+@dataclass
+class Row:
+    """The worst difference of one quantity over all steps."""
+
+    max_diff: float = 0.0
+    max_ref: float = 0.0
+    exact: bool = False
+
+    def update(self, ours: Tensor | None, ref: Tensor | None) -> None:
+        self.exact = self.exact or (ref is not None and not ref.is_floating_point())
+        if ours is None and ref is None:
+            return
+        if ours is None or ref is None or ours.shape != ref.shape:
+            self.max_diff = float("inf")
+            return
+        ours64, ref64 = ours.detach().double().cpu(), ref.detach().double().cpu()
+        self.max_diff = max(self.max_diff, (ours64 - ref64).abs().max().item())
+        self.max_ref = max(self.max_ref, ref64.abs().max().item())
+
+    def tolerance(self, tolerance: Tolerance) -> float:
+        return (EXACT if self.exact else tolerance).of(self.max_ref)
+
+
+@dataclass(frozen=True)
+class Config:
+    device: torch.device
+    dtype: torch.dtype
+    replicas: int | None
+    steps: int
+    batch: int
+    channels_last: bool
+    seed: int
+    lr: float
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Config, list[str]]:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", type=int, default=None, help="default: 4 threads, or all GPUs")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if gpus >= 2 else "cpu")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=10)
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float64")
+    parser.add_argument("--channels-last", action="store_true")
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=0.01)
+    args = parser.parse_args(argv)
+    if args.replicas is not None and args.replicas < 1:
+        parser.error("--replicas must be at least 1")
+    if args.device == "cuda" and gpus == 0:
+        parser.error("--device cuda: no GPU is visible")
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    config = Config(
+        device, DTYPES[args.dtype], args.replicas, args.steps, args.batch, args.channels_last, args.seed, args.lr
+    )
+    return config, args.cases
+
+
+def replica_plan(config: Config) -> tuple[bool, int]:
+    """(whether nn.DataParallel runs the replicas, how many): DataParallel over 2+ GPUs, else threads."""
+    gpus = torch.cuda.device_count() if config.device.type == "cuda" else 0
+    if gpus >= 2:
+        return True, min(config.replicas or gpus, gpus)
+    return False, config.replicas or 4
+
+
+def parallelize(model: nn.Module, config: Config) -> nn.Module:
+    """The converted model as replicas, as :func:`replica_plan` says."""
+    data_parallel, replicas = replica_plan(config)
+    if data_parallel:
+        return nn.DataParallel(model, device_ids=list(range(replicas)))
+    return ThreadedDataParallel(model, [config.device] * replicas)
+
+
+def describe(config: Config) -> str:
+    data_parallel, replicas = replica_plan(config)
+    how = f"nn.DataParallel on cuda:0..{replicas - 1}" if data_parallel else f"ThreadedDataParallel on {replicas} x {config.device}"
+    chunks = [len(c) for c in torch.arange(config.batch).chunk(replicas)]
+    dtype = str(config.dtype).removeprefix("torch.")
+    mixed = " (autocast, float32 weights)" if config.dtype in HALF_DTYPES.values() else ""
+    return (
+        f"sync batch norm vs nn.BatchNorm on the full batch: {dtype}{mixed}, batch {config.batch} in "
+        f"chunks {chunks}, {how}, {config.steps} SGD steps (lr {config.lr}), "
+        f"channels_last={config.channels_last}, seed {config.seed}, kernels {backend_info()}"
+    )
+
+
+def randomize_batch_norms(model: nn.Module, generator: torch.Generator) -> None:
+    """Batch norm weights in [0.5, 1.5) and biases in [-0.5, 0.5), not the default 1 and 0."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.weight.copy_(torch.rand(module.weight.shape, generator=generator) + 0.5)
+                module.bias.copy_(torch.rand(module.bias.shape, generator=generator) - 0.5)
+
+
+def build_pair(case: Case, config: Config) -> tuple[nn.Module, nn.Module]:
+    """The reference and the converted model (bare, not yet wrapped), identical to start with."""
+    torch.manual_seed(config.seed)
+    reference = case.build()
+    randomize_batch_norms(reference, torch.Generator().manual_seed(config.seed))
+    param_dtype = torch.float32 if config.dtype in HALF_DTYPES.values() else config.dtype
+    reference.to(config.device, param_dtype)
+    if config.channels_last and case.channels_last is not None:
+        reference.to(memory_format=case.channels_last)
+    return reference, NN.convert_sync_batchnorm(copy.deepcopy(reference))
+
+
+def make_input(case: Case, config: Config, step: int) -> Tensor:
+    """The step's input: mean 2 and std 3, so that the mean is not small against the spread."""
+    generator = torch.Generator().manual_seed(config.seed * 1000 + step)
+    x = 2.0 + 3.0 * torch.randn((config.batch, *case.sample_shape), generator=generator, dtype=torch.float64)
+    x = x.to(config.device, torch.float32 if config.dtype in HALF_DTYPES.values() else config.dtype)
+    if config.channels_last and case.channels_last is not None:
+        x = x.contiguous(memory_format=case.channels_last)
+    return x
+
+
+def upstream_gradient(output: Tensor, config: Config, step: int) -> Tensor:
+    """dL/dy of the step: random, the same for both models (a fresh generator every call)."""
+    generator = torch.Generator().manual_seed(config.seed * 1000 + 500 + step)
+    grad = torch.randn(output.shape, generator=generator, dtype=torch.float64)
+    return grad.to(output.device, output.dtype)
+
+
+def autocast(config: Config) -> AbstractContextManager:
+    """Mixed precision for the half dtypes (float32 weights, half activations), else nothing."""
+    if config.dtype in HALF_DTYPES.values():
+        return torch.autocast(config.device.type, dtype=config.dtype)
+    return nullcontext()
+
+
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, config: Config, step: int
+) -> tuple[Tensor, Tensor | None]:
+    """Forward, backward of the step's upstream gradient, SGD step; returns (output, input grad)."""
+    x = x.detach().clone().requires_grad_()
+    optimizer.zero_grad(set_to_none=True)
+    with autocast(config):
+        y = model(x)
+    y.backward(upstream_gradient(y, config, step))
+    optimizer.step()
+    return y.detach(), x.grad
+
+
+def quantities(
+    model: nn.Module, output: Tensor, input_grad: Tensor | None
+) -> Iterator[tuple[str, str, Tensor | None]]:
+    """(layer, quantity, tensor): output, input grad, every parameter's grad and every buffer."""
+    yield "model", "output", output
+    yield "model", "input grad", input_grad
+    for name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            yield name, f"{param_name} grad", param.grad
+        for buffer_name, buffer in module.named_buffers(recurse=False):
+            yield name, buffer_name, buffer
+
+
+def run_case(name: str, case: Case, config: Config, rows: dict[tuple[str, str, str], Row]) -> None:
+    """Train both models side by side; fold each step's differences into ``rows``.
+
+    Layers are named by the reference's index and type.
+    """
+    reference, converted = build_pair(case, config)
+    parallel = parallelize(converted, config)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=config.lr) for m in (reference, converted)]
+    types = {layer: f"{layer} {type(module).__name__}" for layer, module in reference.named_modules()}
+    for step in range(config.steps):
+        x = make_input(case, config, step)
+        ref_y, ref_dx = train_step(reference, optimizers[0], x, config, step)
+        our_y, our_dx = train_step(parallel, optimizers[1], x, config, step)
+        pairs = zip(quantities(reference, ref_y, ref_dx), quantities(converted, our_y, our_dx))
+        for (layer, quantity, ref), (our_layer, our_quantity, ours) in pairs:
+            if (our_layer, our_quantity) != (layer, quantity):
+                raise RuntimeError(f"the models differ in structure: {layer}.{quantity} vs {our_layer}.{our_quantity}")
+            rows.setdefault((name, types.get(layer, layer), quantity), Row()).update(ours, ref)
+
+
+def print_table(rows: dict[tuple[str, str, str], Row], tolerances: dict[str, Tolerance]) -> int:
+    """Print one line per row; return the number of failed rows."""
+    header = f"{'case':<5} {'layer':<16} {'quantity':<20} {'max |diff|':>11} {'tolerance':>11}  status"
+    print(header)
+    print("-" * len(header))
+    failures = 0
+    for (case, layer, quantity), row in rows.items():
+        kind = "grad" if quantity.endswith("grad") else "value"
+        tolerance = row.tolerance(tolerances[kind])
+        ok = row.max_diff <= tolerance
+        failures += not ok
+        print(f"{case:<5} {layer:<16} {quantity:<20} {row.max_diff:>11.3e} {tolerance:>11.3e}  {'OK' if ok else 'FAIL'}")
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, cases = parse_args(argv)
+    if config.device.type == "cuda":
+        # TF32 convolutions and matmuls would differ by ~1e-3 between batch sizes; this compares
+        # batch norm, not TF32.
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+    started = time.perf_counter()
+    print(describe(config))
+    rows: dict[tuple[str, str, str], Row] = {}
+    for name in cases:
+        run_case(name, CASES[name], config, rows)
+    failures = print_table(rows, TOLERANCES[config.dtype])
+    elapsed = time.perf_counter() - started
+    verdict = f"FAIL: {failures} of {len(rows)} rows exceed their tolerance" if failures else f"OK: all {len(rows)} rows"
+    print(f"{verdict} ({elapsed:.1f} s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Shared test helpers: lockstep training of a reference model and its synchronized twin."""
+from __future__ import annotations
+
+import copy
+import sys
+import threading
+import unittest.mock
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from modules import nn as NN
+from modules.parallel import ThreadedDataParallel
+
+
+def randomize_affine(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Give every batch norm non-trivial weight and bias, so their gradients mean something."""
+    gen = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.weight is not None:
+            with torch.no_grad():
+                module.weight.copy_(torch.rand(module.weight.shape, generator=gen) + 0.5)
+                if module.bias is not None:
+                    module.bias.copy_(torch.randn(module.bias.shape, generator=gen))
+    return model
+
+
+def assert_same_state(ref: nn.Module, ours: nn.Module, atol: float, rtol: float, what: str) -> None:
+    """Parameter grads and buffers (running stats, num_batches_tracked) of the two models agree."""
+    for (name, p_ref), (_, p_ours) in zip(ref.named_parameters(), ours.named_parameters()):
+        assert (p_ref.grad is None) == (p_ours.grad is None), f"{what}: grad presence of {name}"
+        if p_ref.grad is not None:
+            torch.testing.assert_close(p_ours.grad, p_ref.grad, atol=atol, rtol=rtol, msg=lambda m: f"{what}: grad of {name}: {m}")
+    ref_buffers = dict(ref.named_buffers())
+    ours_buffers = dict(ours.named_buffers())
+    assert ref_buffers.keys() == ours_buffers.keys()
+    for name, b_ref in ref_buffers.items():
+        torch.testing.assert_close(ours_buffers[name], b_ref, atol=atol, rtol=rtol, msg=lambda m: f"{what}: buffer {name}: {m}")
+
+
+def train_in_lockstep(
+    make_ref: Callable[[], nn.Module],
+    shape: Sequence[int],
+    replicas: int,
+    steps: int = 3,
+    dtype: torch.dtype = torch.float64,
+    memory_format: torch.memory_format = torch.contiguous_format,
+    atol: float = 1e-9,
+    rtol: float = 1e-9,
+    training: bool = True,
+    seed: int = 0,
+) -> None:
+    """Train ``make_ref()`` on the full batch and its converted twin under ThreadedDataParallel
+    with ``replicas`` CPU replicas (or alone when 1), with SGD, and compare outputs, input
+    gradients, parameter gradients and buffers after every step."""
+    torch.manual_seed(seed)
+    ref = randomize_affine(make_ref(), seed).to(dtype=dtype, memory_format=memory_format)
+    ours = NN.convert_sync_batchnorm(copy.deepcopy(ref))
+    ref.train(training)
+    ours.train(training)
+    runner = ThreadedDataParallel(ours, ["cpu"] * replicas) if replicas > 1 else ours
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.01)
+    opt_ours = torch.optim.SGD(ours.parameters(), lr=0.01)
+    for step in range(steps):
+        x = (torch.randn(*shape, dtype=dtype) * 3 + 1).to(memory_format=memory_format)
+        x_ref = x.clone().requires_grad_()
+        x_ours = x.clone().requires_grad_()
+        y_ref, y_ours = ref(x_ref), runner(x_ours)
+        what = f"step {step}"
+        torch.testing.assert_close(y_ours, y_ref, atol=atol, rtol=rtol, msg=lambda m: f"{what}: output: {m}")
+        probe = torch.randn_like(y_ref)
+        for opt in (opt_ref, opt_ours):
+            opt.zero_grad()
+        (y_ref * probe).sum().backward()
+        (y_ours * probe).sum().backward()
+        torch.testing.assert_close(x_ours.grad, x_ref.grad, atol=atol, rtol=rtol, msg=lambda m: f"{what}: input grad: {m}")
+        assert_same_state(ref, ours, atol, rtol, what)
+        opt_ref.step()
+        opt_ours.step()
+
+
+def run_threads(jobs: Sequence[Callable[[], object]]) -> list[object]:
+    """Run jobs in threads as nn.DataParallel's parallel_apply does; returns results or errors."""
+    results: list[object] = [None] * len(jobs)
+
+    def work(i: int) -> None:
+        try:
+            results[i] = jobs[i]()
+        except BaseException as error:  # noqa: BLE001 - the test inspects it
+            results[i] = error
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a replica thread hung"
+    return results
+
+
+def _cpu_broadcast(tensors: list[Tensor], devices: Sequence[int], detach: bool = False) -> list[list[Tensor]]:
+    """What torch's broadcast gives replicate(), on one CPU: device 0 holds the originals
+    (parameters as differentiable aliases), the others copies of the buffers."""
+    if detach:
+        return [[t if j == 0 else t.detach().clone() for t in tensors] for j in range(len(devices))]
+    return [[t.view_as(t) for t in tensors] for _ in devices]
+
+
+def stock_replicas(module: nn.Module, count: int) -> list[nn.Module]:
+    """Replicas made by torch's own replicate() (as stock nn.DataParallel makes them), with its
+    GPU broadcast swapped for CPU aliases and copies so that it runs here."""
+    replicate_module = sys.modules["torch.nn.parallel.replicate"]
+    with unittest.mock.patch.object(replicate_module, "_broadcast_coalesced_reshape", _cpu_broadcast):
+        return torch.nn.parallel.replicate(module, [0] * count)
+
+
+def replayed_replicas(module: nn.Module, count: int) -> list[nn.Module]:
+    """Replicas made by replaying replicate()'s calls of ``_replicate_for_data_parallel()`` (one
+    per replica, in device order, for every module) from code that is not torch's replicate():
+    the signal a third-party replicate gives."""
+    modules = list(module.modules())
+    index = {m: i for i, m in enumerate(modules)}
+    copies = [[m._replicate_for_data_parallel() for _ in range(count)] for m in modules]
+    for i, original in enumerate(modules):
+        for j, replica in enumerate(copies[i]):
+            for key, child in original._modules.items():
+                replica._modules[key] = copies[index[child]][j]
+            for key, param in original._parameters.items():
+                setattr(replica, key, param.view_as(param))  # a non-leaf alias, as Broadcast gives
+            for key, buf in original._buffers.items():
+                replica._buffers[key] = buf if (j == 0 or buf is None) else buf.clone()
+    return [copies[0][j] for j in range(count)]
+
+
+def split_batch(x: Tensor, count: int) -> list[Tensor]:
+    return list(x.chunk(count))

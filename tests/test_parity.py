@@ -1,0 +1,124 @@
+"""Parity with nn.BatchNorm* on the full batch: outputs, input grads, parameter grads and
+buffers over several SGD steps, for 1 to 4 replicas and every configuration."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import randomize_affine, train_in_lockstep
+from modules import nn as NN
+from modules.parallel import ThreadedDataParallel
+
+CL2, CL3 = torch.channels_last, torch.channels_last_3d
+
+
+def conv_bn_2d(**bn_args) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4, **bn_args), nn.ReLU(), nn.Conv2d(4, 5, 1), nn.BatchNorm2d(5, **bn_args))
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
+@pytest.mark.parametrize("batch", [10, 7, 2])
+def test_2d_network_uneven_chunks(replicas: int, batch: int) -> None:
+    # batch 10 on 4 replicas is 3,3,3,1; batch 2 on 3 or 4 replicas gives fewer chunks than devices
+    train_in_lockstep(conv_bn_2d, (batch, 3, 5, 6), replicas)
+
+
+@pytest.mark.parametrize(
+    "make, shape, memory_format",
+    [
+        (lambda: nn.BatchNorm1d(6), (10, 6), torch.contiguous_format),
+        (lambda: nn.BatchNorm1d(6), (10, 6, 7), torch.contiguous_format),
+        (lambda: nn.BatchNorm2d(6), (10, 6, 4, 3), torch.contiguous_format),
+        (lambda: nn.BatchNorm2d(6), (10, 6, 4, 3), CL2),
+        (lambda: nn.BatchNorm3d(6), (10, 6, 3, 2, 4), torch.contiguous_format),
+        (lambda: nn.BatchNorm3d(6), (10, 6, 3, 2, 4), CL3),
+        (lambda: nn.SyncBatchNorm(6), (10, 6, 3, 2, 2, 2), torch.contiguous_format),
+    ],
+    ids=["1d-NC", "1d-NCL", "2d", "2d-channels-last", "3d", "3d-channels-last", "rank6"],
+)
+@pytest.mark.parametrize("replicas", [1, 4])
+def test_ranks_and_layouts(make, shape, memory_format, replicas: int) -> None:
+    train_in_lockstep(make, shape, replicas, memory_format=memory_format)
+
+
+def test_channels_last_network() -> None:
+    train_in_lockstep(conv_bn_2d, (10, 3, 5, 6), 4, memory_format=CL2)
+
+
+@pytest.mark.parametrize(
+    "bn_args",
+    [
+        dict(affine=False),
+        dict(bias=False),
+        dict(momentum=None),
+        dict(momentum=0.5, eps=1e-3),
+        dict(track_running_stats=False),
+        dict(affine=False, track_running_stats=False, momentum=None),
+    ],
+    ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()),
+)
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_layer_options(bn_args: dict, replicas: int) -> None:
+    train_in_lockstep(lambda: conv_bn_2d(**bn_args), (10, 3, 4, 4), replicas, steps=4)
+
+
+@pytest.mark.parametrize("track_running_stats", [True, False])
+def test_eval_mode(track_running_stats: bool) -> None:
+    # eval with running stats normalizes with them; without, batch statistics (synced) are used
+    def make() -> nn.Module:
+        model = conv_bn_2d(track_running_stats=track_running_stats, momentum=0.3)
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d) and m.running_mean is not None:
+                m.running_mean.uniform_(-1, 1)
+                m.running_var.uniform_(0.5, 2)
+        return model
+
+    train_in_lockstep(make, (10, 3, 4, 4), 4, training=False)
+
+
+# float32: the conv bias before a batch norm has a gradient of exactly 0 in exact arithmetic;
+# both float32 runs carry ~1e-4 of absolute noise there (gradients elsewhere are ~1e2), hence
+# atol 1e-3; after SGD steps the two float32 trajectories drift apart by ~1e-4 relative,
+# hence rtol 1e-3. test_float32_accuracy_on_par_with_torch checks the error against float64 itself.
+F32_TOL = dict(atol=1e-3, rtol=1e-3)
+
+
+def test_float32_network() -> None:
+    train_in_lockstep(conv_bn_2d, (10, 3, 5, 6), 4, dtype=torch.float32, **F32_TOL)
+
+
+def test_float32_channels_last_network() -> None:
+    train_in_lockstep(conv_bn_2d, (10, 3, 5, 6), 3, dtype=torch.float32, memory_format=CL2, **F32_TOL)
+
+
+def test_float32_accuracy_on_par_with_torch() -> None:
+    """Against float64 truth, our float32 gradients are as accurate as nn.BatchNorm2d's."""
+    torch.manual_seed(0)
+    truth = randomize_affine(conv_bn_2d()).double()
+    torch32 = copy.deepcopy(truth).float()
+    ours32 = NN.convert_sync_batchnorm(copy.deepcopy(torch32))
+    x = torch.randn(10, 3, 5, 6, dtype=torch.float64) * 3 + 1
+    probe = torch.randn(10, 5, 5, 6, dtype=torch.float64)
+    for model, dtype in [(truth, torch.float64), (torch32, torch.float32), (ThreadedDataParallel(ours32, ["cpu"] * 4), torch.float32)]:
+        (model(x.to(dtype)) * probe.to(dtype)).sum().backward()
+    for (name, p64), (_, pt), (_, po) in zip(truth.named_parameters(), torch32.named_parameters(), ours32.named_parameters()):
+        torch_error = (pt.grad.double() - p64.grad).abs().max().item()
+        our_error = (po.grad.double() - p64.grad).abs().max().item()
+        assert our_error <= 3 * torch_error + 1e-6 * p64.grad.abs().max().item(), (name, our_error, torch_error)
+
+
+def test_shared_layer_called_twice() -> None:
+    # one layer used twice per forward syncs each call separately, and backward meets the right call
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1)
+            self.bn = nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            return self.bn(self.conv(self.bn(x)).relu() * 2 + 1)
+
+    train_in_lockstep(Twice, (10, 4, 3, 3), 4)
