@@ -36,8 +36,13 @@ def local_stats(x: Tensor) -> tuple[int, Tensor, Tensor]:
     if count == 0:
         zeros = torch.zeros(x.size(1), dtype=acc, device=x.device)
         return 0, zeros, zeros.clone()
-    var, mean = torch.var_mean(x.to(acc), dim=reduction_dims(x), correction=0)
-    return count, mean, var * count
+    # Two passes, so that an inf gives an inf mean as in torch's batch norm (a running
+    # Welford mean turns inf into nan).
+    dims = reduction_dims(x)
+    x = x.to(acc)
+    mean = x.mean(dims)
+    m2 = (x - per_channel(mean, x)).square().sum(dims)
+    return count, mean, m2
 
 
 def merge_stats(counts: Tensor, means: Tensor, m2s: Tensor) -> tuple[Tensor, Tensor]:

@@ -104,10 +104,13 @@ def test_float32_accuracy_on_par_with_torch() -> None:
     probe = torch.randn(10, 5, 5, 6, dtype=torch.float64)
     for model, dtype in [(truth, torch.float64), (torch32, torch.float32), (ThreadedDataParallel(ours32, ["cpu"] * 4), torch.float32)]:
         (model(x.to(dtype)) * probe.to(dtype)).sum().backward()
+    # errors are measured against the largest gradient in the model: the conv biases before a
+    # batch norm have a true gradient of 0, so their own scale means nothing
+    scale = max(p.grad.abs().max().item() for p in truth.parameters())
     for (name, p64), (_, pt), (_, po) in zip(truth.named_parameters(), torch32.named_parameters(), ours32.named_parameters()):
         torch_error = (pt.grad.double() - p64.grad).abs().max().item()
         our_error = (po.grad.double() - p64.grad).abs().max().item()
-        assert our_error <= 3 * torch_error + 1e-6 * p64.grad.abs().max().item(), (name, our_error, torch_error)
+        assert our_error <= 3 * torch_error + 3 * torch.finfo(torch.float32).eps * scale, (name, our_error, torch_error)
 
 
 def test_shared_layer_called_twice() -> None:

@@ -1,0 +1,237 @@
+"""The user API: constructor, state_dict compatibility, convert/revert, copying and pickling,
+the single-device path, and every kind of bad input."""
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from functions.replicas import ReplicaRound
+from helpers import randomize_affine
+from modules import nn as NN
+from modules.parallel import ThreadedDataParallel
+
+PAIRS = [(nn.BatchNorm1d, NN.SyncBatchNorm1d), (nn.BatchNorm2d, NN.SyncBatchNorm2d), (nn.BatchNorm3d, NN.SyncBatchNorm3d)]
+
+
+def test_public_names() -> None:
+    assert NN.BatchNorm1d is NN.SyncBatchNorm1d
+    assert NN.BatchNorm2d is NN.SyncBatchNorm2d
+    assert NN.BatchNorm3d is NN.SyncBatchNorm3d
+    for cls in (NN.SyncBatchNorm, NN.SyncBatchNorm1d, NN.SyncBatchNorm2d, NN.SyncBatchNorm3d):
+        assert issubclass(cls, _BatchNorm)
+    params = list(inspect.signature(NN.SyncBatchNorm).parameters)
+    assert params[:9] == ["num_features", "eps", "momentum", "affine", "track_running_stats", "process_group", "timeout", "device", "dtype"]
+
+
+@pytest.mark.parametrize("torch_cls, our_cls", PAIRS)
+def test_accepts_every_torch_argument(torch_cls, our_cls) -> None:
+    for name in inspect.signature(torch_cls).parameters:
+        assert name in inspect.signature(our_cls).parameters, name
+    layer = our_cls(5, eps=1e-3, momentum=None, affine=True, track_running_stats=True, device="cpu", dtype=torch.float64, bias=False)
+    assert layer.bias is None and layer.weight.dtype == torch.float64
+    assert "bias=False" in repr(layer)
+
+
+@pytest.mark.parametrize("kwargs", [dict(eps=0.0), dict(eps=-1e-5), dict(num_features=0)])
+def test_validates_arguments(kwargs) -> None:
+    args = dict(num_features=3) | kwargs
+    with pytest.raises(ValueError):
+        NN.SyncBatchNorm2d(**args)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(affine=False), dict(bias=False), dict(track_running_stats=False)])
+@pytest.mark.parametrize("torch_cls, our_cls", PAIRS)
+def test_state_dict_is_torchs_both_ways(torch_cls, our_cls, options) -> None:
+    theirs = randomize_affine(torch_cls(4, **options))
+    theirs.train()(torch.randn(8, 4, *([3] * (2 if our_cls is NN.SyncBatchNorm2d else 3 if our_cls is NN.SyncBatchNorm3d else 0))))
+    ours = our_cls(4, **options)
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    ours.load_state_dict(theirs.state_dict())
+    back = torch_cls(4, **options)
+    back.load_state_dict(ours.state_dict())
+    for key, value in theirs.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
+
+
+def test_single_device_is_torchs_computation() -> None:
+    # bit for bit: the single-device path is F.batch_norm itself, train and eval, empty batch too
+    torch.manual_seed(0)
+    theirs = randomize_affine(nn.BatchNorm2d(4, momentum=None))
+    ours = NN.SyncBatchNorm2d(4, momentum=None)
+    ours.load_state_dict(theirs.state_dict())
+    for training, batch in [(True, 6), (True, 0), (True, 3), (False, 5), (False, 0)]:
+        theirs.train(training)
+        ours.train(training)
+        x = torch.randn(batch, 4, 3, 3)
+        assert torch.equal(ours(x), theirs(x))
+        for key, value in theirs.state_dict().items():
+            assert torch.equal(ours.state_dict()[key], value), key
+
+
+def count_exchanges(monkeypatch: pytest.MonkeyPatch) -> list:
+    calls: list = []
+    original = ReplicaRound.exchange
+
+    def counting(self, key, *args, **kwargs):
+        calls.append(key)
+        return original(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(ReplicaRound, "exchange", counting)
+    return calls
+
+
+def test_eval_with_running_stats_never_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = count_exchanges(monkeypatch)
+    model = ThreadedDataParallel(nn.Sequential(NN.SyncBatchNorm2d(3), NN.SyncBatchNorm2d(3)), ["cpu"] * 4)
+    model.eval()
+    model(torch.randn(10, 3, 2, 2, requires_grad=True)).sum().backward()
+    assert calls == []
+    model.train()
+    model(torch.randn(10, 3, 2, 2, requires_grad=True)).sum().backward()
+    assert len(calls) == 2 * 2 * 4  # 2 layers x (forward + backward) x 4 replicas
+
+
+def test_eval_without_running_stats_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = count_exchanges(monkeypatch)
+    model = ThreadedDataParallel(NN.SyncBatchNorm2d(3, track_running_stats=False).eval(), ["cpu"] * 2)
+    model(torch.randn(4, 3, 2, 2))
+    assert calls == [("forward", 0)] * 2
+
+
+# --- convert and revert -----------------------------------------------------------------------
+
+
+def model_with_every_torch_bn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 1),
+        nn.BatchNorm2d(4, momentum=None),
+        nn.Sequential(nn.BatchNorm2d(4, affine=False), nn.BatchNorm2d(4, bias=False)),
+        nn.SyncBatchNorm(4, track_running_stats=False),
+        nn.Flatten(2),
+        nn.BatchNorm1d(4, eps=1e-3),
+    )
+
+
+def test_convert_keeps_everything_and_revert_round_trips() -> None:
+    model = model_with_every_torch_bn().double()
+    model[1].weight.requires_grad_(False)
+    model[2][1].eval()
+    params = [id(p) for p in model.parameters()]
+    buffers = {k: v.clone() for k, v in model.state_dict().items()}
+    converted = NN.convert_sync_batchnorm(model)
+    assert [type(m) for m in converted.modules()].count(NN.SyncBatchNorm2d) == 3
+    assert type(converted[3]) is NN.SyncBatchNorm and type(converted[5]) is NN.SyncBatchNorm1d
+    assert [id(p) for p in converted.parameters()] == params  # optimizers keep working
+    assert converted[1].weight.requires_grad is False
+    assert converted[2][1].training is False and converted[1].training is True
+    assert converted[1].momentum is None and converted[5].eps == 1e-3 and converted[2][1].bias is None
+    assert converted[1].layer_name == "1" and converted[2][0].layer_name == "2.0"
+    assert all(v.dtype == torch.float64 for k, v in converted.state_dict().items() if "num_batches" not in k)
+    reverted = NN.revert_sync_batchnorm(converted)
+    assert [type(m) for m in reverted.modules()] == [type(m) for m in model_with_every_torch_bn().modules()]
+    assert [id(p) for p in reverted.parameters()] == params
+    for key, value in reverted.state_dict().items():
+        assert torch.equal(value, buffers[key]), key
+
+
+def test_convert_a_lone_layer_and_set_process_group() -> None:
+    layer = NN.convert_sync_batchnorm(nn.BatchNorm3d(2))
+    assert type(layer) is NN.SyncBatchNorm3d
+    group = object()
+    assert NN.convert_sync_batchnorm(layer, process_group=group).process_group is group
+
+
+# --- copies and pickles -------------------------------------------------------------------------
+
+
+def trained_model() -> nn.Module:
+    model = nn.Sequential(nn.Conv2d(2, 3, 1), NN.SyncBatchNorm2d(3, timeout=7), nn.ReLU())
+    ThreadedDataParallel(model, ["cpu"] * 2)(torch.randn(4, 2, 2, 2)).sum().backward()
+    return model
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save", "pickle"])
+def test_copies_and_pickles(how: str) -> None:
+    model = trained_model()
+    if how == "deepcopy":
+        clone = copy.deepcopy(model)
+    elif how == "pickle":
+        clone = pickle.loads(pickle.dumps(model))
+    else:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        clone = torch.load(buffer, weights_only=False)
+    assert clone[1]._round_tracker is not model[1]._round_tracker
+    assert clone[1].timeout == 7
+    for key, value in model.state_dict().items():
+        assert torch.equal(clone.state_dict()[key], value)
+    x = torch.randn(6, 2, 2, 2)
+    torch.testing.assert_close(ThreadedDataParallel(clone, ["cpu"] * 3)(x), ThreadedDataParallel(model, ["cpu"] * 3)(x))
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def unchanged(layer: nn.Module, before: dict) -> bool:
+    return all(torch.equal(layer.state_dict()[k], v) for k, v in before.items())
+
+
+BAD_INPUTS = [
+    (NN.SyncBatchNorm2d, torch.randn(4, 3, 2), ValueError, r"SyncBatchNorm2d\(3\): expected 4D input \(got 3D input\)"),
+    (NN.SyncBatchNorm1d, torch.randn(4, 3, 2, 2), ValueError, r"expected 2D or 3D input \(got 4D input\)"),
+    (NN.SyncBatchNorm3d, torch.randn(4, 3, 2, 2), ValueError, r"expected 5D input \(got 4D input\)"),
+    (NN.SyncBatchNorm, torch.randn(3), ValueError, r"expected at least 2D input \(got 1D input\)"),
+    (NN.SyncBatchNorm2d, torch.randn(4, 5, 2, 2), RuntimeError, r"expected 3 channels in dim 1, got input of size \(\d, 5, 2, 2\)"),
+    (NN.SyncBatchNorm2d, torch.ones(4, 3, 2, 2, dtype=torch.long), RuntimeError, r"expected a floating point input, got torch.int64"),
+    (NN.SyncBatchNorm2d, torch.ones(4, 3, 2, 2, dtype=torch.bool), RuntimeError, r"floating point input, got torch.bool"),
+    (NN.SyncBatchNorm2d, torch.randn(4, 3, 2, 2, dtype=torch.float64), RuntimeError, r"input of torch.float64 needs weight of the same dtype"),
+    (NN.SyncBatchNorm2d, torch.randn(4, 3, 2, 2, device="meta"), RuntimeError, r"input is on meta but weight is on cpu"),
+    (NN.SyncBatchNorm2d, torch.randn(1, 3, 1, 1), ValueError, r"Expected more than 1 value per channel when training"),
+    (NN.SyncBatchNorm1d, torch.randn(1, 3), ValueError, r"Expected more than 1 value per channel when training"),
+]
+
+
+@pytest.mark.parametrize("cls, x, error, message", BAD_INPUTS, ids=[m[:40] for *_, m in BAD_INPUTS])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_bad_input_raises_before_any_state_changes(cls, x, error, message, replicas: int) -> None:
+    layer = cls(3, timeout=30)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    model = ThreadedDataParallel(layer, ["cpu"] * replicas) if replicas > 1 and x.device.type == "cpu" else layer
+    with pytest.raises(error, match=message):
+        model(x)
+    assert unchanged(layer, before)
+
+
+def test_torch_raises_the_same_types() -> None:
+    for cls, x, error, _ in BAD_INPUTS:
+        torch_cls = {NN.SyncBatchNorm: nn.SyncBatchNorm, NN.SyncBatchNorm1d: nn.BatchNorm1d, NN.SyncBatchNorm2d: nn.BatchNorm2d, NN.SyncBatchNorm3d: nn.BatchNorm3d}[cls]
+        if x.device.type == "meta":
+            continue  # torch's meta kernels accept this; ours names the mismatch
+        with pytest.raises(error):
+            torch_cls(3)(x)
+
+
+def test_one_value_per_channel_is_fine_in_eval() -> None:
+    layer = NN.SyncBatchNorm2d(3).eval()
+    assert layer(torch.randn(1, 3, 1, 1)).shape == (1, 3, 1, 1)
+
+
+@pytest.mark.parametrize("replicas", [1, 4])
+def test_nan_and_inf_propagate_like_torch(replicas: int) -> None:
+    x = torch.randn(8, 3, 2, 2, dtype=torch.float64)
+    x[0, 0, 0, 0] = float("nan")
+    x[1, 1, 0, 0] = float("inf")
+    ours, theirs = NN.SyncBatchNorm2d(3).double(), nn.BatchNorm2d(3).double()
+    model = ThreadedDataParallel(ours, ["cpu"] * replicas) if replicas > 1 else ours
+    y, y_ref = model(x), theirs(x)
+    for a, b in [(y, y_ref), (ours.running_mean, theirs.running_mean), (ours.running_var, theirs.running_var)]:
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf())
+        torch.testing.assert_close(a[a.isfinite()], b[b.isfinite()], atol=1e-12, rtol=1e-12)
