@@ -2,8 +2,10 @@
 
 Every compiled kernel (``src/``) has the same signature as its reference here and is tested
 against it. Shapes: ``x`` and ``dy`` are ``(N, C, *)`` in any layout; per-channel tensors are
-``(C,)`` in the accumulation dtype (float64 for float64 input, float32 otherwise); ``count`` is
-the number of values per channel (``N * prod(spatial)``), a Python int.
+``(C,)``: statistics from ``local_stats`` and ``merge_stats`` in float64 (``STATS_DTYPE``), the
+``mean`` and ``invstd`` given to the elementwise kernels in the accumulation dtype (float64 for
+float64 input, float32 otherwise); ``count`` is the number of values per channel
+(``N * prod(spatial)``), a Python int.
 """
 from __future__ import annotations
 
@@ -14,6 +16,10 @@ from torch import Tensor
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 accumulates in float64; float32, bfloat16 and float16 in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+STATS_DTYPE = torch.float64
+"""The dtype of per-channel statistics (mean, M2, variance) between local_stats and the merge."""
 
 
 def reduction_dims(x: Tensor) -> list[int]:
@@ -29,19 +35,25 @@ def per_channel(v: Tensor, x: Tensor) -> Tensor:
 def local_stats(x: Tensor) -> tuple[int, Tensor, Tensor]:
     """Count, mean and M2 (sum of squared deviations from the mean) of each channel.
 
-    An empty batch gives count 0 with zero mean and M2, so that it drops out of a merge.
+    Mean and M2 come back in float64 whatever the input: the data passes accumulate in the
+    accumulation dtype, but a float32 mean of values near 1e4 is only good to 1e-3, and merging
+    replicas (which squares differences of their means) would turn that into a visible error in
+    the variance. So the second pass also sums x - mean (exact, as x is near the mean): the
+    rounding residue of the mean, added back in float64. An empty batch gives count 0 with zero
+    mean and M2, so that it drops out of a merge.
     """
     count = x.numel() // x.size(1)
-    acc = accumulation_dtype(x.dtype)
     if count == 0:
-        zeros = torch.zeros(x.size(1), dtype=acc, device=x.device)
+        zeros = torch.zeros(x.size(1), dtype=STATS_DTYPE, device=x.device)
         return 0, zeros, zeros.clone()
-    # Two passes, so that an inf gives an inf mean as in torch's batch norm (a running
-    # Welford mean turns inf into nan).
     dims = reduction_dims(x)
-    x = x.to(acc)
+    x = x.to(accumulation_dtype(x.dtype))
     mean = x.mean(dims)
-    m2 = (x - per_channel(mean, x)).square().sum(dims)
+    xmu = x - per_channel(mean, x)
+    residue = xmu.sum(dims).to(STATS_DTYPE)
+    m2 = xmu.square().sum(dims).to(STATS_DTYPE) - residue.square() / count
+    # an inf makes the residue nan; the mean stays inf, as in torch's batch norm
+    mean = mean.to(STATS_DTYPE) + torch.nan_to_num(residue / count, nan=0.0, posinf=0.0, neginf=0.0)
     return count, mean, m2
 
 

@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.autograd.function import Function, once_differentiable
 
 from .backend import Kernels, kernels_for
+from .reference import accumulation_dtype
 from .replicas import ReplicaCall
 
 
@@ -59,7 +60,8 @@ def check_values_per_channel(total: int, layer: str, shapes: list[torch.Size]) -
 def merge_replica_stats(
     parts: list[LocalStats], layer: str, kernels: Kernels
 ) -> tuple[int, Tensor, Tensor]:
-    """Global count, mean and biased variance of the replicas' parts, on parts[0]'s device.
+    """Global count, mean and biased variance (float64) of the replicas' parts, on parts[0]'s
+    device.
 
     Raises when the replicas disagree on channels or dtype, or hold one value per channel
     between them, before anything is updated.
@@ -156,7 +158,8 @@ class SyncBatchNormFunction(Function):
             mean, var = mean.to(x.device), var.to(x.device)
         if replica_call is None or replica_call.is_master:
             update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, count)
-        invstd = torch.rsqrt(var + eps)
+        acc = accumulation_dtype(x.dtype)
+        mean, invstd = mean.to(acc), torch.rsqrt(var + eps).to(acc)
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.count, ctx.replica_call = count, replica_call
         ctx.bias_dtype = None if bias is None else bias.dtype
