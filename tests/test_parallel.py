@@ -1,0 +1,125 @@
+"""ThreadedDataParallel as a DataParallel: scatter, gather, gradients, grad mode, errors; also
+for modules without batch norm."""
+from __future__ import annotations
+
+import threading
+from collections import namedtuple
+
+import pytest
+import torch
+from torch import nn
+
+from modules import nn as NN
+from modules.parallel import ThreadedDataParallel
+
+Pair = namedtuple("Pair", "first second")
+
+
+class Recorder(nn.Module):
+    """Linear layer that records the chunk sizes and threads it ran on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 2).double()
+        self.seen: list = []
+
+    def forward(self, x, scale=1.0, *, extra=None):
+        self.seen.append((x.size(0), threading.get_ident(), torch.is_grad_enabled()))
+        y = self.linear(x) * scale
+        return {"y": y, "pair": Pair(y.sum(), y * 2), "extra": extra}
+
+
+def test_scatter_gather_and_grads_without_batch_norm() -> None:
+    module = Recorder()
+    model = ThreadedDataParallel(module, ["cpu"] * 4)
+    x = torch.randn(10, 3, dtype=torch.float64, requires_grad=True)
+    scale = torch.full((10, 1), 3.0, dtype=torch.float64)
+    out = model(x, scale, extra="tag")
+    assert sorted(size for size, *_ in module.seen) == [1, 3, 3, 3]
+    assert out["extra"] == "tag" and out["y"].shape == (10, 2) and out["pair"].first.shape == (4,)
+    loss = out["y"].square().sum() + out["pair"].first.sum() + out["pair"].second.sum()
+    grads = torch.autograd.grad(loss, [x, module.linear.weight, module.linear.bias])
+
+    x_ref = x.detach().clone().requires_grad_()
+    y_ref = module.linear(x_ref) * scale
+    loss_ref = y_ref.square().sum() + y_ref.sum() + (y_ref * 2).sum()
+    grads_ref = torch.autograd.grad(loss_ref, [x_ref, module.linear.weight, module.linear.bias])
+    torch.testing.assert_close(out["y"], y_ref)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref)
+
+
+def test_forward_and_backward_run_replicas_concurrently() -> None:
+    # a barrier that all three replicas must reach together: serial execution would break it
+    forward_barrier, backward_barrier = threading.Barrier(3, timeout=10), threading.Barrier(3, timeout=10)
+    threads: list = []
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            threads.append(threading.get_ident())
+            backward_barrier.wait()
+            return grad
+
+    class Model(nn.Module):
+        def forward(self, x):
+            forward_barrier.wait()
+            return Spy.apply(x) * 2
+
+    x = torch.randn(6, 2, requires_grad=True)
+    ThreadedDataParallel(Model(), ["cpu"] * 3)(x).sum().backward()
+    assert len(set(threads)) == 3 and threading.get_ident() not in threads
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+
+
+def test_grad_mode_follows_the_caller() -> None:
+    module = Recorder()
+    model = ThreadedDataParallel(module, ["cpu"] * 2)
+    with torch.no_grad():
+        out = model(torch.randn(4, 3, dtype=torch.float64, requires_grad=True))
+    assert not out["y"].requires_grad and all(not grad for *_, grad in module.seen)
+
+
+def test_dim_and_output_device_and_single_device() -> None:
+    linear = nn.Linear(4, 4)
+    x = torch.randn(2, 5, 4)
+    for devices in (["cpu"], ["cpu"] * 3):
+        model = ThreadedDataParallel(linear, devices, output_device="cpu", dim=1)
+        torch.testing.assert_close(model(x), linear(x))
+
+
+def test_fewer_chunks_than_devices_and_batch_norm_statistics() -> None:
+    layer = NN.SyncBatchNorm1d(3).double()
+    ref = nn.BatchNorm1d(3).double()
+    x = torch.randn(2, 3, dtype=torch.float64)
+    torch.testing.assert_close(ThreadedDataParallel(layer, ["cpu"] * 4)(x), ref(x))
+    torch.testing.assert_close(layer.running_var, ref.running_var)
+
+
+def test_replica_error_is_reraised() -> None:
+    class Boom(nn.Module):
+        def forward(self, x):
+            if x.size(0) == 1:
+                raise ZeroDivisionError("small chunk")
+            return x
+
+    with pytest.raises(ZeroDivisionError, match="small chunk"):
+        ThreadedDataParallel(Boom(), ["cpu"] * 3)(torch.randn(5, 2))
+
+
+def test_needs_devices_and_the_module_on_the_first() -> None:
+    with pytest.raises(ValueError):
+        ThreadedDataParallel(nn.Linear(2, 2), [])
+    model = ThreadedDataParallel(nn.Linear(2, 2, device="meta"), ["cpu"] * 2)
+    with pytest.raises(RuntimeError, match=r"devices\[0\] \(cpu\)"):
+        model(torch.randn(4, 2))
+
+
+def test_names_our_layers_for_error_messages() -> None:
+    model = nn.Sequential(nn.Sequential(NN.SyncBatchNorm2d(2)))
+    ThreadedDataParallel(model, ["cpu"] * 2)
+    assert model[0][0].layer_name == "0.0"
