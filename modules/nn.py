@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -26,6 +27,12 @@ __all__ = [
 ]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+_TORCH_BN_TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
+
+
+def _bias_kwarg(bias: bool) -> dict[str, bool]:
+    """``bias=`` for torch's batch norm constructors, where the installed torch has it."""
+    return {"bias": bias} if _TORCH_BN_TAKES_BIAS else {}
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -81,8 +88,10 @@ class SyncBatchNorm(_BatchNorm):
         if timeout is not None:
             resolve_timeout(timeout)
         super().__init__(
-            num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, bias=bias
+            num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, **_bias_kwarg(bias)
         )
+        if not bias and "bias" not in _bias_kwarg(False):
+            self.register_parameter("bias", None)  # torch < 2.13 has no bias argument
         self.process_group = process_group
         self.timeout = timeout
         self.layer_name: str | None = None
@@ -234,7 +243,7 @@ def _layer_args(layer: _BatchNorm) -> dict[str, Any]:
         affine=layer.affine,
         track_running_stats=layer.track_running_stats,
         device="meta",
-        bias=layer.bias is not None or not layer.affine,
+        **_bias_kwarg(layer.bias is not None or not layer.affine),
     )
 
 
