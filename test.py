@@ -89,24 +89,23 @@ def build_1d() -> nn.Module:
     )
 
 
-def build_2d() -> nn.Module:
+def build_conv(conv: type[nn.Module], batch_norm: type[nn.Module], channels: int) -> nn.Module:
+    """Conv, BN, ReLU, conv, BN of the given dimensionality."""
     return nn.Sequential(
-        nn.Conv2d(3, 6, kernel_size=3, padding=1, bias=False),
-        nn.BatchNorm2d(6),
+        conv(channels, 6, kernel_size=3, padding=1, bias=False),
+        batch_norm(6),
         nn.ReLU(),
-        nn.Conv2d(6, 4, kernel_size=3, bias=False),
-        nn.BatchNorm2d(4, momentum=None),
+        conv(6, 4, kernel_size=3, bias=False),
+        batch_norm(4, momentum=None),
     )
+
+
+def build_2d() -> nn.Module:
+    return build_conv(nn.Conv2d, nn.BatchNorm2d, channels=3)
 
 
 def build_3d() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv3d(2, 4, kernel_size=3, padding=1, bias=False),
-        nn.BatchNorm3d(4),
-        nn.ReLU(),
-        nn.Conv3d(4, 3, kernel_size=3, bias=False),
-        nn.BatchNorm3d(3, momentum=None),
-    )
+    return build_conv(nn.Conv3d, nn.BatchNorm3d, channels=2)
 
 
 CASES: dict[str, Case] = {
