@@ -123,19 +123,17 @@ class SyncBatchNorm(_BatchNorm):
             )
         if not input.is_floating_point():
             raise RuntimeError(f"{self._label()}: expected a floating point input, got {input.dtype}")
-        for name in ("weight", "bias", "running_mean", "running_var"):
-            tensor = getattr(self, name)
-            if tensor is None:
-                continue
-            if tensor.device != input.device:
-                raise RuntimeError(
-                    f"{self._label()}: input is on {input.device} but {name} is on {tensor.device}"
-                )
-            if tensor.dtype != input.dtype and not (input.dtype in _HALF_DTYPES and tensor.dtype == torch.float32):
-                raise RuntimeError(
-                    f"{self._label()}: input of {input.dtype} needs {name} of the same dtype "
-                    f"(or float32 for half inputs), got {tensor.dtype}"
-                )
+        # one parameter or buffer stands for all of them: this runs on every call
+        name, tensor = ("weight", self.weight) if self.affine else ("running_mean", self.running_mean)
+        if tensor is None:
+            return
+        if tensor.device != input.device:
+            raise RuntimeError(f"{self._label()}: input is on {input.device} but {name} is on {tensor.device}")
+        if tensor.dtype != input.dtype and not (input.dtype in _HALF_DTYPES and tensor.dtype == torch.float32):
+            raise RuntimeError(
+                f"{self._label()}: input of {input.dtype} needs {name} of the same dtype "
+                f"(or float32 for half inputs), got {tensor.dtype}"
+            )
 
     def _replicate_for_data_parallel(self):
         replica = super()._replicate_for_data_parallel()
