@@ -38,11 +38,19 @@ REFERENCE = Kernels(
 )
 
 
+# torch's CUDA ops reshape to (N, C, -1), which fails on an empty batch (torch's own SyncBN
+# guards them the same way).
+
+
 def _torch_cuda_elemt_forward(x, mean, invstd, weight, bias):
+    if x.numel() == 0:
+        return torch.empty_like(x)
     return torch.batch_norm_elemt(x, weight, bias, mean, invstd, 0.0)
 
 
 def _torch_cuda_backward_reduce(dy, x, mean):
+    if x.numel() == 0:
+        return torch.zeros_like(mean), torch.zeros_like(mean)
     # invstd only scales grad_weight, which is not asked for here.
     ones = torch.ones_like(mean)
     sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(
@@ -52,6 +60,8 @@ def _torch_cuda_backward_reduce(dy, x, mean):
 
 
 def _torch_cuda_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
+    if x.numel() == 0:
+        return torch.empty_like(x)
     if weight is not None and weight.dtype != mean.dtype:
         weight = weight.to(mean.dtype)
     counts = torch.tensor([count], dtype=torch.int32, device=x.device)

@@ -134,6 +134,8 @@ class ReplicaRound:
                 raise
         with self._cond:
             if index == 0:
+                if self._failure is not None:  # broken while combining: publish nothing
+                    raise self._aborted_error(key, slot)
                 slot.result, slot.done = result, True
                 self._cond.notify_all()
             else:
@@ -144,11 +146,20 @@ class ReplicaRound:
             return slot.result
 
     def _wait(self, key: Key, slot: _Slot, deadline: float, ready: Callable[[], bool]) -> None:
-        """Wait on the condition (held) until ``ready()``, a failure, or the deadline."""
+        """Wait on the condition (held) until ``ready()``, a failure, or the deadline.
+
+        Once every replica has arrived, the master's combine decides (it publishes, or breaks
+        the round when it raises), so the deadline is extended once by the timeout: a replica
+        must not give up on a result that the master is about to publish.
+        """
+        extended = False
         while not ready():
             if self._failure is not None:
                 raise self._aborted_error(key, slot)
             remaining = deadline - time.monotonic()
+            if remaining <= 0 and not extended and len(slot.payloads) == self.size:
+                deadline, extended = deadline + self.timeout, True
+                continue
             if remaining <= 0:
                 error = self._timeout_error(key, slot)
                 self._failure = (None, error)

@@ -168,6 +168,15 @@ class SyncBatchNormFunction(Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output: Tensor):  # type: ignore[override]
+        try:
+            return SyncBatchNormFunction._backward(ctx, grad_output)
+        except BaseException as error:
+            if ctx.replica_call is not None:  # release the other replicas at once
+                ctx.replica_call.round.abort(error, ctx.replica_call.index)
+            raise
+
+    @staticmethod
+    def _backward(ctx, grad_output: Tensor) -> tuple:
         x, weight, mean, invstd = ctx.saved_tensors
         dy = grad_output.contiguous(memory_format=memory_format_of(x))
         kernels = kernels_for(x.device)

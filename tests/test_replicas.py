@@ -282,3 +282,47 @@ def test_round_exchange_keys_are_cleaned_up() -> None:
     results = run_threads([lambda i=i: round.exchange(("forward", 0), i, i + 1, sum) for i in range(3)])
     assert results == [6, 6, 6]
     assert round._slots == {}
+
+
+def test_a_slow_master_combine_is_waited_for() -> None:
+    # replica 1 arrives at once, the master late, and its combine takes a while: both get the
+    # result (the deadline of a replica that has everyone's payload is extended once)
+    round = ReplicaRound("layer", 1, timeout=0.5)
+    members = [nn.Identity(), nn.Identity()]
+    for m in members:
+        round.add(m)
+
+    def slow_sum(parts):
+        time.sleep(0.3)
+        return sum(parts)
+
+    def master():
+        time.sleep(0.4)
+        return round.exchange(("forward", 0), 0, 1, slow_sum)
+
+    results = run_threads([master, lambda: round.exchange(("forward", 0), 1, 2, slow_sum)])
+    assert results == [3, 3]
+
+
+def test_failure_inside_the_layer_backward_releases_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    import functions.sync_batchnorm as sbn
+
+    real = sbn.kernels_for(torch.device("cpu"))
+
+    def failing_reduce(dy, x, mean):
+        if x.size(0) == 1:
+            raise MemoryError("simulated out of memory in replica 1")
+        return real.backward_reduce(dy, x, mean)
+
+    monkeypatch.setattr(sbn, "kernels_for", lambda device: dataclasses.replace(real, backward_reduce=failing_reduce))
+    bn = NN.SyncBatchNorm1d(2, timeout=30).double()
+    replicas = stock_replicas(bn, 2)
+    chunks = [torch.randn(n, 2, dtype=torch.float64, requires_grad=True) for n in (2, 1)]
+    outputs = run_threads([lambda r=r, c=c: r(c) for r, c in zip(replicas, chunks)])
+    start = time.monotonic()
+    results = run_threads([lambda o=o, c=c: torch.autograd.grad(o.square().sum(), c) for o, c in zip(outputs, chunks)])
+    assert time.monotonic() - start < 5
+    assert isinstance(results[1], MemoryError)
+    assert isinstance(results[0], ReplicaSyncError) and "replica 1 failed: MemoryError" in str(results[0])
