@@ -245,37 +245,48 @@ def _layer_args(layer: _BatchNorm) -> dict[str, Any]:
     )
 
 
-def _convert(module: nn.Module, name: str, process_group: Any | None) -> nn.Module:
+def _rebuild_children(module: nn.Module, result: nn.Module, convert_child) -> nn.Module:
+    """Put ``convert_child(name, child)`` in each child slot of ``result``; every slot, so that
+    a layer held twice is replaced in both places."""
+    for child_name, child in list(module._modules.items()):
+        if child is not None:
+            result.add_module(child_name, convert_child(child_name, child))
+    return result
+
+
+def _convert(module: nn.Module, name: str, process_group: Any | None, memo: dict[int, nn.Module]) -> nn.Module:
+    if id(module) in memo:
+        return memo[id(module)]
+    result = module
     if isinstance(module, SyncBatchNorm):
         if process_group is not None:
             module.process_group = process_group
         module.layer_name = module.layer_name or name or None
-        result: nn.Module = module
     elif type(module) in _TO_SYNC:
         result = _move_state(module, _TO_SYNC[type(module)](**_layer_args(module)))  # type: ignore[arg-type]
-        result.process_group = process_group
+        result.process_group = process_group if process_group is not None else getattr(module, "process_group", None)
         result.layer_name = name or None
-    else:
-        result = module
-    for child_name, child in module.named_children():
-        result.add_module(child_name, _convert(child, f"{name}.{child_name}" if name else child_name, process_group))
-    return result
+    memo[id(module)] = result
+    return _rebuild_children(
+        module, result, lambda child_name, child: _convert(child, f"{name}.{child_name}" if name else child_name, process_group, memo)
+    )
 
 
 def convert_sync_batchnorm(module: nn.Module, process_group: Any | None = None) -> nn.Module:
     """Turn every ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` in ``module`` into ours.
 
     The new layers hold the very same weight and bias Parameters (so optimizers keep working),
-    buffers, requires_grad, training flag, device and dtype; each gets its path in the model
-    as ``layer_name`` for error messages. Returns the converted module (a new object when
-    ``module`` itself is a batch norm layer).
+    buffers, requires_grad, training flag, device and dtype (and an ``nn.SyncBatchNorm``'s
+    process group, unless ``process_group`` is given); each gets its path in the model as
+    ``layer_name`` for error messages. A layer held in two places becomes one layer of ours in
+    both. Returns the converted module (a new object when ``module`` itself is a batch norm).
     """
-    return _convert(module, "", process_group)
+    return _convert(module, "", process_group, {})
 
 
-def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
-    """The way back: our layers become ``nn.BatchNorm1d/2d/3d`` (``SyncBatchNorm``, of any
-    rank, becomes ``nn.SyncBatchNorm``), keeping parameters, buffers and the training flag."""
+def _revert(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
+    if id(module) in memo:
+        return memo[id(module)]
     result = module
     if isinstance(module, SyncBatchNorm):
         plain = next(_TO_TORCH[cls] for cls in type(module).__mro__ if cls in _TO_TORCH)
@@ -283,9 +294,14 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         if plain is nn.SyncBatchNorm:
             args["process_group"] = module.process_group
         result = _move_state(module, plain(**args))
-    for child_name, child in module.named_children():
-        result.add_module(child_name, revert_sync_batchnorm(child))
-    return result
+    memo[id(module)] = result
+    return _rebuild_children(module, result, lambda _, child: _revert(child, memo))
+
+
+def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """The way back: our layers become ``nn.BatchNorm1d/2d/3d`` (``SyncBatchNorm``, of any
+    rank, becomes ``nn.SyncBatchNorm``), keeping parameters, buffers and the training flag."""
+    return _revert(module, {})
 
 
 def name_sync_layers(module: nn.Module) -> None:

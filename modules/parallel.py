@@ -58,7 +58,9 @@ def _scatter_kwargs(
         inputs = ((),)
     split_inputs = _scatter(inputs, devices, dim) if inputs else []
     split_kwargs = _scatter(kwargs, devices, dim) if kwargs else []
-    count = max(len(split_inputs), len(split_kwargs))
+    # non-tensors are shared by every device, so the fewest tensor chunks decide the count
+    count = min(len(split_inputs), len(split_kwargs)) if inputs and kwargs else max(len(split_inputs), len(split_kwargs))
+    split_inputs, split_kwargs = split_inputs[:count], split_kwargs[:count]
     split_inputs += [()] * (count - len(split_inputs))
     split_kwargs += [{}] * (count - len(split_kwargs))
     return split_inputs, split_kwargs
@@ -106,9 +108,9 @@ class _ThreadState:
         self.streams = {d: torch.cuda.current_stream(d) for d in devices if d.type == "cuda"}
 
     @contextmanager
-    def on(self, device: torch.device, grad_enabled: bool | None = None) -> Iterator[None]:
+    def on(self, device: torch.device) -> Iterator[None]:
         with ExitStack() as stack:
-            stack.enter_context(torch.set_grad_enabled(self.grad_enabled if grad_enabled is None else grad_enabled))
+            stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
             for device_type, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype))
             if device.type == "cuda":
@@ -152,42 +154,66 @@ def _gather(values: Sequence[Any], device: torch.device, dim: int) -> Any:
 
 
 class _ReplicaRun:
-    """One forward of the replicas: what their threaded backward needs (never the replicas)."""
+    """One forward of the replicas: what their threaded backward needs (never the replicas).
 
-    def __init__(self, outputs, input_leaves, param_leaves, params, devices, rounds, state, dim):
-        self.outputs: list[list[Any]] = outputs  # per replica, the flat outputs
-        self.input_leaves: list[list[Tensor]] = input_leaves  # per replica
-        self.param_leaves: list[list[Tensor]] = param_leaves  # per replica, aligned with params
-        self.params: list[Tensor] = params
-        self.devices, self.rounds, self.state, self.dim = devices, rounds, state, dim
+    The replicas' outputs (and through them their graphs) are handed to the gather Function's
+    ``save_for_backward``, so that the outer graph frees them when it is freed, keeps them when
+    asked to retain it, and refuses a second backward through freed ones, as any graph does.
+    """
+
+    def __init__(
+        self,
+        outputs: list[list[Any]],
+        input_leaves: list[list[Tensor]],
+        param_leaves: list[list[Tensor]],
+        params: list[Tensor],
+        devices: list[torch.device],
+        rounds: list[ReplicaRound],
+        dim: int,
+    ) -> None:
         self.tensor_positions = [k for k, v in enumerate(outputs[0]) if isinstance(v, Tensor)]
+        self.values: list[list[Tensor]] | None = [[out[k] for out in outputs] for k in self.tensor_positions]
+        self.sizes = [[v.size(dim) if v.dim() else None for v in values] for values in self.values]
+        self.requires_grad = [[v.requires_grad for v in values] for values in self.values]
+        self.input_leaves = input_leaves  # per replica
+        self.param_leaves = param_leaves  # per replica, aligned with params
+        self.params, self.devices, self.rounds, self.dim = params, devices, rounds, dim
 
     def gathered(self, output_device: torch.device) -> list[Tensor]:
-        return [_gather([out[k].detach() for out in self.outputs], output_device, self.dim) for k in self.tensor_positions]
+        return [_gather([v.detach() for v in values], output_device, self.dim) for values in self.values]
 
-    def _grads_of_replica(self, grads: Sequence[Tensor], j: int) -> list[Tensor | None]:
-        outs, out_grads = [], []
-        for k, grad in zip(self.tensor_positions, grads):
-            value = self.outputs[j][k]
-            if value.requires_grad:
-                outs.append(value)
-                out_grads.append(self._slice(grad, k, j).to(self.devices[j]))
+    def differentiable(self) -> list[bool]:
+        """Per gathered tensor: whether any replica's value of it requires grad."""
+        return [any(flags) for flags in self.requires_grad]
+
+    def take_graph_outputs(self) -> list[Tensor]:
+        """The replicas' outputs that require grad, replica by replica; forgotten here."""
+        values, self.values = self.values, None
+        return [values[p][j] for j in range(len(self.devices)) for p in range(len(values)) if self.requires_grad[p][j]]
+
+    def _slice(self, grad: Tensor, p: int, j: int) -> Tensor:
+        sizes = self.sizes[p]
+        if sizes[j] is None:
+            return grad[j]
+        return grad.narrow(self.dim, sum(sizes[:j]), sizes[j])
+
+    def _grads_of_replica(self, outs: list[Tensor], grads: Sequence[Tensor], j: int, state: _ThreadState) -> list[Tensor | None]:
+        out_grads = [self._slice(grad, p, j).to(self.devices[j]) for p, grad in enumerate(grads) if self.requires_grad[p][j]]
         leaves = self.input_leaves[j] + self.param_leaves[j]
         if not outs or not leaves:
             return [None] * len(leaves)
-        with self.state.on(self.devices[j], grad_enabled=False):
+        with state.on(self.devices[j]):
+            # retained: the outer graph decides when the replicas' graphs go (see the class)
             return list(torch.autograd.grad(outs, leaves, out_grads, retain_graph=True, allow_unused=True))
 
-    def _slice(self, grad: Tensor, k: int, j: int) -> Tensor:
-        values = [out[k] for out in self.outputs]
-        if values[0].dim() == 0:
-            return grad[j]
-        start = sum(v.size(self.dim) for v in values[:j])
-        return grad.narrow(self.dim, start, values[j].size(self.dim))
-
-    def backward(self, grads: Sequence[Tensor]) -> list[Tensor | None]:
+    def backward(self, graph_outputs: Sequence[Tensor], grads: Sequence[Tensor]) -> list[Tensor | None]:
         """Gradients for the scattered inputs (replica by replica), then for the params."""
-        jobs = [lambda j=j: self._grads_of_replica(grads, j) for j in range(len(self.devices))]
+        per_replica_outs: list[list[Tensor]] = [[] for _ in self.devices]
+        it = iter(graph_outputs)
+        for j in range(len(self.devices)):
+            per_replica_outs[j] = [next(it) for p in range(len(grads)) if self.requires_grad[p][j]]
+        state = _ThreadState(self.devices)  # the backward's own grad mode and autocast
+        jobs = [lambda j=j: self._grads_of_replica(per_replica_outs[j], grads, j, state) for j in range(len(self.devices))]
         per_replica = _run_in_threads(jobs, self.rounds)
         input_grads = [g for j, replica in enumerate(per_replica) for g in replica[: len(self.input_leaves[j])]]
         param_grads = []
@@ -205,13 +231,14 @@ class _GatherWithReplicaBackward(Function):
     def forward(ctx, run: _ReplicaRun, output_device: torch.device, *graph_inputs: Tensor):  # type: ignore[override]
         ctx.run = run
         outputs = run.gathered(output_device)
-        ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point() and not o.is_complex()])
+        ctx.mark_non_differentiable(*[o for o, d in zip(outputs, run.differentiable()) if not d])
+        ctx.save_for_backward(*run.take_graph_outputs())
         return tuple(outputs)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads: Tensor):  # type: ignore[override]
-        return (None, None, *ctx.run.backward(grads))
+        return (None, None, *ctx.run.backward(ctx.saved_tensors, grads))
 
 
 class ThreadedDataParallel(nn.Module):
@@ -269,8 +296,9 @@ class ThreadedDataParallel(nn.Module):
             for i, value in enumerate(flat):
                 if isinstance(value, Tensor) and value.requires_grad and state.grad_enabled:
                     chunk_tensors.append(value)
-                    flat[i] = value.detach().requires_grad_()
-                    leaves.append(flat[i])
+                    leaves.append(value.detach().requires_grad_())
+                    # a copy, so that in-place ops on the input work as under nn.DataParallel
+                    flat[i] = leaves[-1].clone()
             input_leaves.append(leaves)
             args_j, kw_j = tree_unflatten(flat, spec)
             jobs.append(lambda r=replica, a=args_j, k=kw_j, d=device: self._run_replica(r, a, k, d, state))
@@ -289,7 +317,6 @@ class ThreadedDataParallel(nn.Module):
             params,
             devices,
             rounds,
-            state,
             self.dim,
         )
         graph_inputs = chunk_tensors + params if state.grad_enabled else []
@@ -298,8 +325,8 @@ class ThreadedDataParallel(nn.Module):
         else:
             gathered = run.gathered(self.output_device)
         flat = [
-            None if isinstance(value, Tensor) else _gather([out[k] for out in run.outputs], self.output_device, self.dim)
-            for k, value in enumerate(run.outputs[0])
+            None if isinstance(value, Tensor) else _gather([out[k] for out in flat_outputs], self.output_device, self.dim)
+            for k, value in enumerate(flat_outputs[0])
         ]
         for k, tensor in zip(run.tensor_positions, gathered):
             flat[k] = tensor

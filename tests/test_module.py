@@ -235,3 +235,15 @@ def test_nan_and_inf_propagate_like_torch(replicas: int) -> None:
     for a, b in [(y, y_ref), (ours.running_mean, theirs.running_mean), (ours.running_var, theirs.running_var)]:
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf())
         torch.testing.assert_close(a[a.isfinite()], b[b.isfinite()], atol=1e-12, rtol=1e-12)
+
+
+def test_convert_and_revert_a_layer_held_twice_and_keep_process_groups() -> None:
+    bn = nn.BatchNorm1d(3)
+    model = NN.convert_sync_batchnorm(nn.Sequential(bn, nn.Identity(), bn))
+    assert type(model[0]) is NN.SyncBatchNorm1d and model[2] is model[0]
+    model = NN.revert_sync_batchnorm(model)
+    assert type(model[0]) is nn.BatchNorm1d and model[2] is model[0]
+    group = object()
+    converted = NN.convert_sync_batchnorm(nn.SyncBatchNorm(3, process_group=group))
+    assert converted.process_group is group
+    assert NN.revert_sync_batchnorm(converted).process_group is group

@@ -123,3 +123,64 @@ def test_names_our_layers_for_error_messages() -> None:
     model = nn.Sequential(nn.Sequential(NN.SyncBatchNorm2d(2)))
     ThreadedDataParallel(model, ["cpu"] * 2)
     assert model[0][0].layer_name == "0.0"
+
+
+def test_backward_runs_under_the_backward_autocast_state() -> None:
+    seen: list = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(torch.is_autocast_enabled("cpu"))
+            return grad
+
+    class Model(nn.Module):
+        def forward(self, x):
+            return Probe.apply(x)
+
+    x = torch.randn(4, 2, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ThreadedDataParallel(Model(), ["cpu"] * 2)(x)
+    y.sum().backward()
+    assert seen == [False, False]
+
+
+def test_graph_is_freed_by_backward_and_retained_on_request() -> None:
+    model = ThreadedDataParallel(nn.Sequential(nn.Linear(3, 3), nn.Tanh()), ["cpu"] * 2)
+    x = torch.randn(4, 3, requires_grad=True)
+    y = model(x).pow(3).sum()
+    y.backward(retain_graph=True)
+    first = x.grad.clone()
+    y.backward()
+    torch.testing.assert_close(x.grad, 2 * first)
+    with pytest.raises(RuntimeError, match="second time"):
+        y.backward()
+
+
+def test_in_place_ops_on_inputs_and_non_differentiable_outputs() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.relu, self.linear = nn.ReLU(inplace=True), nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.linear(self.relu(x)), x.detach() * 2
+
+    a = torch.randn(4, 3, requires_grad=True)
+    y, z = ThreadedDataParallel(Model(), ["cpu"] * 2)(a * 1)
+    assert y.requires_grad and not z.requires_grad
+    y.sum().backward()
+    assert a.grad is not None
+
+
+def test_small_batch_with_non_tensor_keyword_arguments() -> None:
+    class Model(nn.Module):
+        def forward(self, x, scale=1.0):
+            return x * scale
+
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(ThreadedDataParallel(Model(), ["cpu"] * 4)(x, scale=2.0), x * 2)
