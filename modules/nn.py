@@ -90,7 +90,7 @@ class SyncBatchNorm(_BatchNorm):
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, **_bias_kwarg(bias)
         )
-        if not bias and "bias" not in _bias_kwarg(False):
+        if not bias and not _TORCH_BN_TAKES_BIAS:
             self.register_parameter("bias", None)  # torch < 2.13 has no bias argument
         self.process_group = process_group
         self.timeout = timeout

@@ -208,10 +208,10 @@ class _ReplicaRun:
 
     def backward(self, graph_outputs: Sequence[Tensor], grads: Sequence[Tensor]) -> list[Tensor | None]:
         """Gradients for the scattered inputs (replica by replica), then for the params."""
-        per_replica_outs: list[list[Tensor]] = [[] for _ in self.devices]
-        it = iter(graph_outputs)
-        for j in range(len(self.devices)):
-            per_replica_outs[j] = [next(it) for p in range(len(grads)) if self.requires_grad[p][j]]
+        it = iter(graph_outputs)  # replica by replica, as take_graph_outputs gave them
+        per_replica_outs = [
+            [next(it) for p in range(len(grads)) if self.requires_grad[p][j]] for j in range(len(self.devices))
+        ]
         state = _ThreadState(self.devices)  # the backward's own grad mode and autocast
         jobs = [lambda j=j: self._grads_of_replica(per_replica_outs[j], grads, j, state) for j in range(len(self.devices))]
         per_replica = _run_in_threads(jobs, self.rounds)
@@ -308,8 +308,9 @@ class ThreadedDataParallel(nn.Module):
         flat_outputs, specs = zip(*(tree_flatten(out) for out in results))
         if any(spec != specs[0] for spec in specs):
             raise RuntimeError("ThreadedDataParallel: replicas returned outputs of different structures")
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        grad_index = [i for i, p in enumerate(self.module.parameters()) if p.requires_grad]
+        all_params = list(self.module.parameters())
+        grad_index = [i for i, p in enumerate(all_params) if p.requires_grad]
+        params = [all_params[i] for i in grad_index]
         run = _ReplicaRun(
             list(map(list, flat_outputs)),
             input_leaves,
