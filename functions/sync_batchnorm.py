@@ -11,29 +11,23 @@ over the replicas in one exchange; then
     dx = (dy - sum_dy / N - (x - mean) * invstd^2 * sum_dy_xmu / N) * invstd * weight,
     grad_weight = local sum_dy_xmu * invstd, grad_bias = local sum_dy
 (DataParallel sums parameter gradients over replicas itself).
+
+Across processes (``process_call`` given, see :mod:`functions.distributed`), the master of each
+process (or the lone layer under DDP) merges its replicas' parts into the process's
+(count, mean, M2), all_gathers those of every rank and merges them in rank order; in backward it
+all_reduces the replicas' summed (sum_dy, sum_dy_xmu). One collective per call and direction.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch.autograd.function import Function, once_differentiable
 
 from .backend import Kernels, kernels_for
+from .distributed import ProcessGroupCall, all_gather_stats, all_reduce_sums
 from .reference import accumulation_dtype
 from .replicas import ReplicaCall
-
-
-@dataclass(frozen=True)
-class LocalStats:
-    """One replica's contribution: count, mean and M2 per channel, and what it was taken of."""
-
-    count: int
-    mean: Tensor
-    m2: Tensor
-    input_dtype: torch.dtype
-    input_shape: torch.Size
+from .stats import LocalStats
 
 
 def memory_format_of(x: Tensor) -> torch.memory_format:
@@ -47,25 +41,17 @@ def memory_format_of(x: Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def check_values_per_channel(total: int, layer: str, shapes: list[torch.Size]) -> None:
+def check_values_per_channel(total: int, layer: str, shapes: list[torch.Size], parts: str = "replicas") -> None:
     """Batch statistics need more than one value per channel (torch raises ValueError too)."""
     if total == 1:
         sizes = ", ".join(str(tuple(s)) for s in shapes)
         raise ValueError(
             f"{layer}: Expected more than 1 value per channel when training, got input size "
-            f"{sizes}" + (f" over {len(shapes)} replicas" if len(shapes) > 1 else "")
+            f"{sizes}" + (f" over {len(shapes)} {parts}" if len(shapes) > 1 else "")
         )
 
 
-def merge_replica_stats(
-    parts: list[LocalStats], layer: str, kernels: Kernels
-) -> tuple[int, Tensor, Tensor]:
-    """Global count, mean and biased variance (float64) of the replicas' parts, on parts[0]'s
-    device.
-
-    Raises when the replicas disagree on channels or dtype, or hold one value per channel
-    between them, before anything is updated.
-    """
+def _check_replicas_agree(parts: list[LocalStats], layer: str) -> None:
     first = parts[0]
     for index, part in enumerate(parts):
         if part.mean.numel() != first.mean.numel() or part.input_dtype != first.input_dtype:
@@ -74,8 +60,12 @@ def merge_replica_stats(
                 f"{first.mean.numel()} channels of {first.input_dtype}, replica {index} has "
                 f"{part.mean.numel()} channels of {part.input_dtype}"
             )
+
+
+def _merge(parts: list[LocalStats], kernels: Kernels) -> tuple[int, Tensor, Tensor]:
+    """Count, mean and biased variance of the parts' union (count 0: mean 0, variance 1)."""
+    first = parts[0]
     total = sum(part.count for part in parts)
-    check_values_per_channel(total, layer, [part.input_shape for part in parts])
     if total == 0:
         return 0, torch.zeros_like(first.mean), torch.ones_like(first.mean)
     if len(parts) == 1:
@@ -88,9 +78,37 @@ def merge_replica_stats(
     return total, mean, var
 
 
-def sum_replica_tensors(parts: list[Tensor]) -> Tensor:
-    """Sum of the replicas' tensors on parts[0]'s device, in replica order."""
-    return torch.stack([part.to(parts[0].device) for part in parts]).sum(0)
+def _merge_into_one(parts: list[LocalStats], kernels: Kernels) -> LocalStats:
+    """The parts as one contribution (what a process sends to the other ranks)."""
+    count, mean, var = _merge(parts, kernels)
+    first = parts[0]
+    shape = torch.Size([sum(part.input_shape[0] for part in parts), *first.input_shape[1:]])
+    return LocalStats(count, mean, var * count, first.input_dtype, shape)
+
+
+def merge_replica_stats(
+    parts: list[LocalStats], layer: str, kernels: Kernels, process_call: ProcessGroupCall | None = None
+) -> tuple[int, Tensor, Tensor]:
+    """Global count, mean and biased variance (float64) of the replicas' parts, on parts[0]'s
+    device; with ``process_call``, of every rank's replicas (one all_gather).
+
+    Raises when the replicas (or ranks) disagree on channels or dtype, or hold one value per
+    channel between them, before anything is updated; the ranks raise alike.
+    """
+    _check_replicas_agree(parts, layer)
+    what = "replicas"
+    if process_call is not None:
+        parts, what = all_gather_stats(_merge_into_one(parts, kernels), process_call), "ranks"
+    total = sum(part.count for part in parts)
+    check_values_per_channel(total, layer, [part.input_shape for part in parts], what)
+    return _merge(parts, kernels)
+
+
+def sum_replica_tensors(parts: list[Tensor], process_call: ProcessGroupCall | None = None) -> Tensor:
+    """Sum of the replicas' tensors on parts[0]'s device, in replica order; with
+    ``process_call``, summed over the ranks too (one all_reduce)."""
+    total = parts[0] if len(parts) == 1 else torch.stack([part.to(parts[0].device) for part in parts]).sum(0)
+    return total if process_call is None else all_reduce_sums(total, process_call)
 
 
 def update_running_stats(
@@ -127,8 +145,9 @@ class SyncBatchNormFunction(Function):
     """Batch norm with statistics over every replica's batch (see the module docstring).
 
     ``apply(input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
-    replica_call, layer)``; ``replica_call`` is None for a lone replica, ``layer`` names the
-    layer in errors. ``input`` is ``(N, C, *)``; weight, bias and running stats are ``(C,)``
+    replica_call, layer[, process_call])``; ``replica_call`` is None for a lone replica,
+    ``process_call`` is None within one process (and on replicas other than the master),
+    ``layer`` names the layer in errors. ``input`` is ``(N, C, *)``; weight, bias and running stats are ``(C,)``
     or None.
     """
 
@@ -145,15 +164,16 @@ class SyncBatchNormFunction(Function):
         eps: float,
         replica_call: ReplicaCall | None,
         layer: str,
+        process_call: ProcessGroupCall | None = None,
     ) -> Tensor:
         x = input.contiguous(memory_format=memory_format_of(input))
         kernels = kernels_for(x.device)
         local = LocalStats(*kernels.local_stats(x), x.dtype, x.shape)
         if replica_call is None:
-            count, mean, var = merge_replica_stats([local], layer, kernels)
+            count, mean, var = merge_replica_stats([local], layer, kernels, process_call)
         else:
             count, mean, var = replica_call.exchange(
-                "forward", local, lambda parts: merge_replica_stats(parts, layer, kernels)
+                "forward", local, lambda parts: merge_replica_stats(parts, layer, kernels, process_call)
             )
             mean, var = mean.to(x.device), var.to(x.device)
         if replica_call is None or replica_call.is_master:
@@ -161,7 +181,7 @@ class SyncBatchNormFunction(Function):
         acc = accumulation_dtype(x.dtype)
         mean, invstd = mean.to(acc), torch.rsqrt(var + eps).to(acc)
         ctx.save_for_backward(x, weight, mean, invstd)
-        ctx.count, ctx.replica_call = count, replica_call
+        ctx.count, ctx.replica_call, ctx.process_call = count, replica_call, process_call
         ctx.bias_dtype = None if bias is None else bias.dtype
         return kernels.elemt_forward(x, mean, invstd, weight, bias)
 
@@ -176,6 +196,16 @@ class SyncBatchNormFunction(Function):
             raise
 
     @staticmethod
+    def _sum_over_replicas(ctx, both: Tensor) -> tuple[Tensor, Tensor]:
+        """(sum_dy, sum_dy_xmu) of every replica, and of every rank with a process_call."""
+        sum_parts = lambda parts: sum_replica_tensors(parts, ctx.process_call)  # noqa: E731
+        if ctx.replica_call is not None:
+            both = ctx.replica_call.exchange("backward", both, sum_parts)
+        else:
+            both = sum_parts([both])
+        return both.chunk(2)
+
+    @staticmethod
     def _backward(ctx, grad_output: Tensor) -> tuple:
         x, weight, mean, invstd = ctx.saved_tensors
         dy = grad_output.contiguous(memory_format=memory_format_of(x))
@@ -184,15 +214,15 @@ class SyncBatchNormFunction(Function):
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             total_dy, total_dy_xmu = sum_dy, sum_dy_xmu
-            if ctx.replica_call is not None:
-                both = ctx.replica_call.exchange("backward", torch.cat([sum_dy, sum_dy_xmu]), sum_replica_tensors)
-                total_dy, total_dy_xmu = both.to(x.device).chunk(2)
+            if ctx.replica_call is not None or ctx.process_call is not None:
+                total_dy, total_dy_xmu = SyncBatchNormFunction._sum_over_replicas(ctx, torch.cat([sum_dy, sum_dy_xmu]))
+                total_dy, total_dy_xmu = total_dy.to(x.device), total_dy_xmu.to(x.device)
             grad_input = kernels.backward_elemt(dy, x, mean, invstd, weight, total_dy, total_dy_xmu, ctx.count)
         if weight is not None and ctx.needs_input_grad[1]:
             grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_bias = sum_dy.to(ctx.bias_dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return (grad_input, grad_weight, grad_bias, *([None] * (len(ctx.needs_input_grad) - 3)))
 
 
 def sync_batch_norm(
@@ -206,6 +236,7 @@ def sync_batch_norm(
     *,
     num_batches_tracked: Tensor | None = None,
     replica_call: ReplicaCall | None = None,
+    process_call: ProcessGroupCall | None = None,
     layer: str = "sync_batch_norm",
 ) -> Tensor:
     r"""Batch norm over the batch statistics of every replica, as in training mode.
@@ -220,9 +251,11 @@ def sync_batch_norm(
     ``num_batches_tracked`` are updated in place, once, by the master replica (index 0):
     ``running = (1 - momentum) * running + momentum * batch`` with the unbiased variance, or
     the cumulative average when ``momentum`` is None. Without ``replica_call`` this is an
-    ordinary training-mode batch norm through the same kernels. Returns ``y``, shaped and laid
+    ordinary training-mode batch norm through the same kernels. ``process_call`` (from a
+    :class:`~functions.distributed.ProcessGroupSync`) syncs across the ranks of its group too,
+    on the master replica (index 0) of each process. Returns ``y``, shaped and laid
     out as ``input``.
     """
     return SyncBatchNormFunction.apply(
-        input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, replica_call, layer
+        input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, replica_call, layer, process_call
     )

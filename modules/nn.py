@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from functions import sync_batch_norm
+from functions.distributed import ProcessGroupSync, active_process_group, consecutive_rank_groups, report_failure
 from functions.replicas import REPLICA_ATTR, ReplicaHandle, RoundTracker, resolve_timeout
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "BatchNorm1d",
     "BatchNorm2d",
     "BatchNorm3d",
+    "consecutive_rank_groups",
     "convert_sync_batchnorm",
     "revert_sync_batchnorm",
 ]
@@ -43,10 +45,12 @@ class SyncBatchNorm(_BatchNorm):
 
     Mean and (biased) variance are taken per channel over the batch and spatial dims of every
     replica's input together when the layer runs as ``nn.DataParallel`` or
-    :class:`~modules.parallel.ThreadedDataParallel` replicas; on one device it is exactly
+    :class:`~modules.parallel.ThreadedDataParallel` replicas, and of every rank's input when
+    ``process_group`` is given or the default ``torch.distributed`` group has more than one
+    rank (DDP; both levels at once too); on one device in one process it is exactly
     ``nn.BatchNorm*`` (through ``F.batch_norm``). Running statistics are updated once per step
-    with the unbiased variance, as ``nn.BatchNorm*`` does on the full batch. Eval with running
-    statistics never communicates.
+    with the unbiased variance, as ``nn.BatchNorm*`` does on the full batch, identically on
+    every rank. Eval with running statistics never communicates.
 
     Args:
         num_features: C, the size of dim 1 of the input.
@@ -56,8 +60,12 @@ class SyncBatchNorm(_BatchNorm):
         affine: learn a per-channel weight (and bias). Default: True
         track_running_stats: keep running statistics; without them batch statistics are
             used (and synchronized) in eval mode too. Default: True
-        process_group: reserved for synchronization across processes (torch.distributed).
-        timeout: seconds a replica waits for the others before raising
+        process_group: the ``torch.distributed`` group to sync over; None: the default group
+            when it is initialized with more than one rank. Every rank of the group must call
+            the layer the same number of times, in the same order. A rank that never arrives
+            is covered by the group's own timeout (``init_process_group(timeout=...)``,
+            ``new_group(timeout=...)``). Default: None
+        timeout: seconds a replica waits for the other replicas in its process before raising
             :class:`~functions.ReplicaSyncError`. Default: ``$SYNCBN_TIMEOUT``, else 60.
         bias: learn a bias (with ``affine``). Default: True
 
@@ -96,6 +104,7 @@ class SyncBatchNorm(_BatchNorm):
         self.timeout = timeout
         self.layer_name: str | None = None
         self._round_tracker = RoundTracker()
+        self._process_sync = ProcessGroupSync()
         setattr(self, REPLICA_ATTR, None)
 
     def _label(self) -> str:
@@ -151,11 +160,15 @@ class SyncBatchNorm(_BatchNorm):
             raise
 
     def _forward(self, input: Tensor, handle: ReplicaHandle | None) -> Tensor:
-        self._check_input(input)
         uses_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
-        self._check_no_process_group(uses_batch_stats)
-        synced = uses_batch_stats and handle is not None and handle.round.size > 1
-        if not synced:
+        group = active_process_group(self.process_group, self._label()) if uses_batch_stats else None
+        # the master replica of each process (or the lone layer) takes part in the collectives
+        process_call = None
+        if group is not None and (handle is None or handle.index == 0):
+            process_call = self._process_sync.next_call(group, self._label())
+        self._check_input_before(process_call, input)
+        replicas = handle is not None and handle.round.size > 1
+        if not (uses_batch_stats and (replicas or group is not None)):
             if uses_batch_stats and input.numel() == input.size(1):
                 raise ValueError(
                     f"{self._label()}: Expected more than 1 value per channel when training, "
@@ -172,23 +185,21 @@ class SyncBatchNorm(_BatchNorm):
             self.momentum,
             self.eps,
             num_batches_tracked=self.num_batches_tracked if updates else None,
-            replica_call=handle.next_call(),
+            replica_call=handle.next_call() if replicas else None,
+            process_call=process_call,
             layer=self._label(),
         )
 
-    def _check_no_process_group(self, uses_batch_stats: bool) -> None:
-        """Cross-process sync is not built yet: refuse rather than give per-process statistics."""
-        if not uses_batch_stats:
-            return
-        dist = torch.distributed
-        spans_processes = self.process_group is not None or (
-            dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        )
-        if spans_processes:
-            raise NotImplementedError(
-                f"{self._label()}: synchronization across processes (torch.distributed) is not "
-                "implemented yet; batch statistics would silently be per process"
-            )
+    def _check_input_before(self, process_call: Any | None, input: Tensor) -> None:
+        """:meth:`_check_input`; on bad input, first tell the other ranks (they raise too,
+        rather than wait in the collective until its timeout)."""
+        try:
+            self._check_input(input)
+        except (ValueError, RuntimeError):
+            if process_call is not None:
+                device = self.weight.device if self.weight is not None else input.device
+                report_failure(process_call, self.num_features, device)
+            raise
 
 
 class SyncBatchNorm1d(SyncBatchNorm):

@@ -1,0 +1,250 @@
+"""Synchronization across processes (torch.distributed): which group a layer syncs over, and
+the two collectives of one synchronized call.
+
+Forward: ONE all_gather of a float64 row per rank,
+    [layer id, call number, failed flag, dtype code, ndim, shape (8 dims, 0-padded), count,
+     mean (C), M2 (C)],
+so that every rank holds every rank's (count, mean, M2) and merges them in rank order (the same
+arithmetic on every rank: identical statistics, identical running stats). The header lets every
+rank check, on the same gathered data and so with the same verdict, that all ranks are at the
+same call of the same layer, with inputs of one dtype, and that none failed before the exchange.
+
+Backward: ONE all_reduce (sum) of the float64 row [sum_dy (C), sum_dy_xmu (C), id, id^2, n, n^2]
+(layer id and call number n). All ranks agree iff count * sum(v^2) == sum(v)^2 for each of the
+two (Cauchy-Schwarz), and every rank sees the same sums, so a mismatch raises on every rank.
+
+Ranks whose layer has another number of channels send rows of another size: the backend itself
+fails (Gloo aborts the process, "Received data size doesn't match expected size"). A rank that
+never arrives is covered by the collective's own timeout (``init_process_group(timeout=...)``,
+``new_group(timeout=...)``).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .stats import LocalStats
+
+SHAPE_DIMS = 8  # input dims carried for error messages; further dims are dropped
+HEADER_SIZE = 5 + SHAPE_DIMS + 1
+LAYER_ID_RANGE = 2**20  # ids and call numbers below 2**20: their squares sum exactly in float64
+_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+
+
+def active_process_group(process_group: Any | None, layer: str) -> Any | None:
+    """The group that ``layer`` syncs over across processes, or None within one process.
+
+    ``process_group=None`` means the default group when it is initialized with more than one
+    rank (as in PyTorch); a group of one rank needs no exchange.
+    """
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        return dist.group.WORLD
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{layer}: process_group is set but torch.distributed is not initialized")
+    if process_group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(process_group) < 0:
+        raise RuntimeError(f"{layer}: this rank is not a member of the layer's process_group")
+    return process_group if dist.get_world_size(process_group) > 1 else None
+
+
+@dataclass(frozen=True)
+class ProcessGroupCall:
+    """One synchronized call of a layer across the ranks of ``group``.
+
+    ``layer_id`` (a hash of the layer's label) and ``number`` (the layer's count of such
+    calls) travel with both collectives so that ranks at different calls are told apart.
+    """
+
+    group: Any
+    layer: str
+    layer_id: int
+    number: int
+
+
+class ProcessGroupSync:
+    """Held by a layer (and shared with its replicas): counts its calls across processes.
+
+    Copies and pickles start at zero, like a new layer.
+    """
+
+    def __init__(self) -> None:
+        self._calls = 0
+
+    def __reduce__(self):
+        return (ProcessGroupSync, ())
+
+    def next_call(self, group: Any, layer: str) -> ProcessGroupCall:
+        call = ProcessGroupCall(group, layer, zlib.crc32(layer.encode()) % LAYER_ID_RANGE, self._calls)
+        self._calls += 1
+        return call
+
+
+def _stats_row(local: LocalStats, call: ProcessGroupCall, failed: bool) -> Tensor:
+    shape = list(local.input_shape)[:SHAPE_DIMS]
+    header = [
+        call.layer_id,
+        call.number % LAYER_ID_RANGE,
+        float(failed),
+        _DTYPES.index(local.input_dtype) if local.input_dtype in _DTYPES else -1,
+        len(local.input_shape),
+        *shape,
+        *([0] * (SHAPE_DIMS - len(shape))),
+        local.count,
+    ]
+    mean = local.mean.to(torch.float64)
+    head = torch.tensor(header, dtype=torch.float64, device=mean.device)
+    return torch.cat([head, mean, local.m2.to(torch.float64)])
+
+
+def _all_gather_rows(row: Tensor, group: Any) -> Tensor:
+    """(world, len(row)): every rank's row, through the gather-into-one-tensor collective where
+    this torch has it (Gloo and NCCL in torch >= 2.1), else the list form."""
+    world = dist.get_world_size(group)
+    gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+    if gather_single is not None:
+        rows = row.new_empty(world * row.numel())
+        gather_single(rows, row, group=group)
+        return rows.view(world, row.numel())
+    parts = [torch.empty_like(row) for _ in range(world)]
+    dist.all_gather(parts, row, group=group)
+    return torch.stack(parts)
+
+
+def _rows_to_stats(rows: Tensor, channels: int) -> list[LocalStats]:
+    stats = []
+    for row in rows:
+        head = [int(v) for v in row[:HEADER_SIZE].tolist()]
+        ndim = head[4]
+        shape = torch.Size(head[5 : 5 + min(ndim, SHAPE_DIMS)])
+        dtype = _DTYPES[head[3]] if 0 <= head[3] < len(_DTYPES) else torch.float32
+        mean = row[HEADER_SIZE : HEADER_SIZE + channels]
+        m2 = row[HEADER_SIZE + channels :]
+        stats.append(LocalStats(head[-1], mean.clone(), m2.clone(), dtype, shape))
+    return stats
+
+
+def _check_rows_agree(rows: Tensor, call: ProcessGroupCall) -> None:
+    """The same verdict on every rank: they all hold the same rows."""
+    heads = rows[:, :4].tolist()
+    failed = [rank for rank, head in enumerate(heads) if head[2]]
+    if failed:
+        raise RuntimeError(
+            f"{call.layer}: rank(s) {failed} of the process group failed before this exchange "
+            "(their own error says why: bad input)"
+        )
+    ids = [(int(h[0]), int(h[1])) for h in heads]
+    if any(i != ids[0] for i in ids):
+        raise RuntimeError(
+            f"{call.layer}: ranks are at different synchronized calls (layer id, call number per "
+            f"rank: {ids}); this rank is at call {call.number} of {call.layer}. Every rank must "
+            "call each synchronized layer the same number of times, in the same order."
+        )
+    dtypes = [int(h[3]) for h in heads]
+    if any(d != dtypes[0] for d in dtypes):
+        names = [str(_DTYPES[d]) if 0 <= d < len(_DTYPES) else "?" for d in dtypes]
+        raise RuntimeError(f"{call.layer}: ranks disagree on the input dtype: {names} (per rank)")
+
+
+def all_gather_stats(local: LocalStats, call: ProcessGroupCall) -> list[LocalStats]:
+    """Every rank's (count, mean, M2), in rank order, from one all_gather.
+
+    ``local.mean`` and ``local.m2`` are ``(C,)`` float64 on the collective's device (the current
+    CUDA device for NCCL, the CPU for Gloo). Raises RuntimeError on every rank alike when the
+    ranks are at different calls, disagree on the dtype, or one reported a failure.
+    """
+    rows = _all_gather_rows(_stats_row(local, call, failed=False), call.group)
+    _check_rows_agree(rows, call)
+    return _rows_to_stats(rows, local.mean.numel())
+
+
+def report_failure(call: ProcessGroupCall, channels: int, device: torch.device) -> None:
+    """Join the forward's all_gather with a failed flag (after a local error such as bad
+    input), so that the other ranks raise at once instead of waiting for the timeout."""
+    zeros = torch.zeros(channels, dtype=torch.float64, device=device)
+    failed = LocalStats(0, zeros, zeros, torch.float64, torch.Size())
+    _all_gather_rows(_stats_row(failed, call, failed=True), call.group)
+
+
+def all_reduce_sums(local: Tensor, call: ProcessGroupCall) -> Tensor:
+    """The sum over the ranks of ``local`` (a ``(2C,)`` cat of sum_dy and sum_dy_xmu), from
+    one all_reduce in float64; returned in ``local``'s dtype. Raises RuntimeError on every rank
+    alike when the ranks are at the backward of different calls."""
+    layer_id, number = float(call.layer_id), float(call.number % LAYER_ID_RANGE)
+    identity = torch.tensor([layer_id, layer_id**2, number, number**2], dtype=torch.float64, device=local.device)
+    row = torch.cat([local.to(torch.float64), identity])
+    dist.all_reduce(row, group=call.group)
+    world = dist.get_world_size(call.group)
+    ids, id_squares, numbers, number_squares = row[-4:].tolist()
+    if world * id_squares != ids**2 or world * number_squares != numbers**2:
+        raise RuntimeError(
+            f"{call.layer}: ranks are at the backward of different synchronized calls (this rank: "
+            f"call {call.number}). Every rank must run the backward of the same layers in the same order."
+        )
+    return row[:-4].to(local.dtype)
+
+
+def consecutive_rank_groups(group_size: int, timeout: timedelta | None = None) -> Any:
+    """This rank's group when the default group is split into groups of ``group_size``
+    consecutive ranks (ranks 0..k-1, k..2k-1, ...), with ``torch.distributed.new_subgroups``.
+
+    Every rank must call it (it creates every group, in the same order, on every rank). The
+    world size must be a multiple of ``group_size``. ``timeout`` is the groups' collective
+    timeout (default: the backend's).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("consecutive_rank_groups: torch.distributed is not initialized")
+    world = dist.get_world_size()
+    if not (isinstance(group_size, int) and 0 < group_size <= world and world % group_size == 0):
+        raise ValueError(f"consecutive_rank_groups: group_size must divide the world size {world}, got {group_size!r}")
+    group, _ = dist.new_subgroups(group_size=group_size, timeout=timeout)
+    return group
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _local_worker(
+    rank: int, world_size: int, port: int, timeout_s: float, threads: int | None, out_dir: str, fn: Callable, args: tuple
+) -> None:
+    if threads is not None:
+        torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+    )
+    try:
+        result = fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+
+
+def run_local_group(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 30.0, threads: int | None = 1
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in a Gloo
+    group on loopback (a free port; collectives time out after ``timeout_s``; ``threads`` intra-op
+    threads each, None for torch's default); returns what they returned, in rank order. ``fn``
+    must be importable (module level) and its result picklable by ``torch.save``. An error in a
+    process is re-raised here (``torch.multiprocessing.ProcessRaisedException``)."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        torch.multiprocessing.spawn(
+            _local_worker,
+            (world_size, free_port(), timeout_s, threads, out_dir, fn, args),
+            nprocs=world_size,
+            join=True,
+        )
+        return [torch.load(os.path.join(out_dir, f"{rank}.pt"), weights_only=False) for rank in range(world_size)]

@@ -1,0 +1,333 @@
+"""Synchronization across processes: real processes on loopback, Gloo, CPU.
+
+Each world size starts ONE set of processes (start-up dominates the cost) that runs every check
+of that size in order; each check is then reported as its own test. A check compares our layers
+(under DDP, or ThreadedDataParallel replicas in each process) with nn.BatchNorm* on the
+concatenated global batch, in float64 with tolerance 1e-9, over several SGD steps: outputs,
+input gradients, parameter gradients (DDP averages them, so ours * world is compared), running
+stats and num_batches_tracked, and that the buffers are bitwise identical on every rank.
+Collectives time out after 30 s, so a broken check fails instead of hanging.
+"""
+from __future__ import annotations
+
+import copy
+import traceback
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from functions.distributed import run_local_group
+from helpers import randomize_affine
+from modules import nn as NN
+from modules.parallel import ThreadedDataParallel
+
+TOL = dict(atol=1e-9, rtol=1e-9)
+CL2, CL3 = torch.channels_last, torch.channels_last_3d
+
+
+# --- models and the lockstep comparison ----------------------------------------------------------
+
+
+def conv_bn_2d(**bn_args) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1, bias=False),
+        nn.BatchNorm2d(4, **bn_args),
+        nn.ReLU(),
+        nn.Conv2d(4, 5, 1, bias=False),
+        nn.BatchNorm2d(5, momentum=None, **{k: v for k, v in bn_args.items() if k != "momentum"}),
+    )
+
+
+def conv_bn_3d() -> nn.Module:
+    return nn.Sequential(nn.Conv3d(2, 3, 3, padding=1, bias=False), nn.BatchNorm3d(3), nn.ReLU(), nn.BatchNorm3d(3, momentum=None))
+
+
+def linear_bn_1d() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 5, bias=False), nn.BatchNorm1d(5), nn.Unflatten(1, (5, 1)), nn.BatchNorm1d(5, momentum=None))
+
+
+def bn_1d_ncl() -> nn.Module:
+    return nn.Sequential(nn.BatchNorm1d(4), nn.ReLU(), nn.BatchNorm1d(4, momentum=0.5))
+
+
+def rank_slice(sizes: Sequence[int], rank: int) -> slice:
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
+
+
+def global_batch(step: int, sizes: Sequence[int], sample: Sequence[int], memory_format=torch.contiguous_format) -> Tensor:
+    """The same global batch on every rank (mean 1, std 3)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(sum(sizes), *sample, generator=gen, dtype=torch.float64) * 3 + 1
+    return x.contiguous(memory_format=memory_format)
+
+
+def gather_all(tensor: Tensor, group=None) -> list[Tensor]:
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
+def assert_identical_on_all_ranks(model: nn.Module, group=None) -> None:
+    for name, buffer in model.named_buffers():
+        for rank, other in enumerate(gather_all(buffer, group)):
+            assert torch.equal(other, buffer), f"buffer {name} differs on rank {rank}"
+
+
+def train_against_full_batch(
+    make_ref: Callable[[], nn.Module],
+    sizes: Sequence[int],
+    sample: Sequence[int],
+    steps: int = 3,
+    memory_format=torch.contiguous_format,
+    replicas: int = 1,
+    training: bool = True,
+    group=None,
+) -> nn.Module:
+    """This rank trains on its slice (``sizes[rank]`` samples) of the global batch; the reference
+    trains on all of it. With ``replicas`` 1 the model runs under DDP (gradients averaged over
+    the group); otherwise under ThreadedDataParallel in each process, with the parameter
+    gradients summed over the group by hand. Returns our model."""
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    torch.manual_seed(0)
+    ref = randomize_affine(make_ref()).double().to(memory_format=memory_format).train(training)
+    ours = NN.convert_sync_batchnorm(copy.deepcopy(ref), process_group=group)
+    if replicas == 1:
+        runner: nn.Module = DistributedDataParallel(ours, process_group=group, forward_sync_buffers=False)
+        grad_scale, lr_scale = world, world  # DDP averages the gradients
+    else:
+        runner, grad_scale, lr_scale = ThreadedDataParallel(ours, ["cpu"] * replicas), 1, 1
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.01)
+    opt_ours = torch.optim.SGD(ours.parameters(), lr=0.01 * lr_scale)
+    mine = rank_slice(sizes, rank)
+    for step in range(steps):
+        x = global_batch(step, sizes, sample, memory_format)
+        x_ref, x_ours = x.clone().requires_grad_(), x[mine].clone().requires_grad_()
+        y_ref, y_ours = ref(x_ref), runner(x_ours)
+        what = f"rank {rank} step {step}"
+        torch.testing.assert_close(y_ours, y_ref[mine], **TOL, msg=lambda m: f"{what}: output: {m}")
+        probe = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+        opt_ref.zero_grad()
+        opt_ours.zero_grad()
+        (y_ref * probe).sum().backward()
+        (y_ours * probe[mine]).sum().backward()
+        if replicas > 1:
+            for p in ours.parameters():
+                dist.all_reduce(p.grad, group=group)
+        torch.testing.assert_close(x_ours.grad, x_ref.grad[mine], **TOL, msg=lambda m: f"{what}: input grad: {m}")
+        for (name, p_ref), p_ours in zip(ref.named_parameters(), ours.parameters()):
+            torch.testing.assert_close(p_ours.grad * grad_scale, p_ref.grad, **TOL, msg=lambda m: f"{what}: grad {name}: {m}")
+        for (name, b_ref), b_ours in zip(ref.named_buffers(), ours.buffers()):
+            torch.testing.assert_close(b_ours, b_ref, **TOL, msg=lambda m: f"{what}: buffer {name}: {m}")
+        opt_ref.step()
+        opt_ours.step()
+    assert_identical_on_all_ranks(ours, group)
+    return ours
+
+
+@contextmanager
+def counted_collectives() -> Iterator[dict[str, list[int]]]:
+    """Count the collectives (and their sizes, in elements) that torch.distributed runs."""
+    counts: dict[str, list[int]] = {}
+    names = ["all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast", "all_gather_object"]
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+
+    def counting(name: str, original: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            tensor = args[1] if name.startswith("all_gather") and name != "all_gather_object" else args[0]
+            counts.setdefault(name, []).append(tensor.numel() if isinstance(tensor, Tensor) else -1)
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    for name, original in originals.items():
+        setattr(dist, name, counting(name, original))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def expect_error_on_every_rank(run: Callable[[], object], error: type, *words: str) -> None:
+    with pytest.raises(error) as caught:
+        run()
+    for word in words:
+        assert word in str(caught.value), (word, str(caught.value))
+
+
+# --- the checks (each runs on every rank, in this order) -----------------------------------------
+
+
+def check_2d_uneven_ddp(rank: int, world: int) -> None:
+    train_against_full_batch(conv_bn_2d, [4, 3, 2][:world], (3, 4, 5))
+
+
+def check_2d_channels_last(rank: int, world: int) -> None:
+    train_against_full_batch(conv_bn_2d, [3, 2, 4][:world], (3, 4, 4), memory_format=CL2)
+
+
+def check_3d(rank: int, world: int) -> None:
+    train_against_full_batch(conv_bn_3d, [2, 3, 1][:world], (2, 3, 2, 3))
+
+
+def check_3d_channels_last(rank: int, world: int) -> None:
+    train_against_full_batch(conv_bn_3d, [2, 1, 3][:world], (2, 3, 2, 2), memory_format=CL3, steps=2)
+
+
+def check_1d(rank: int, world: int) -> None:
+    train_against_full_batch(linear_bn_1d, [3, 4, 2][:world], (6,))
+    train_against_full_batch(bn_1d_ncl, [2, 3, 1][:world], (4, 5), steps=2)
+
+
+def check_empty_rank(rank: int, world: int) -> None:
+    train_against_full_batch(conv_bn_2d, [5, 0, 3][:world], (3, 3, 3))
+
+
+def check_one_sample_per_rank_1x1(rank: int, world: int) -> None:
+    train_against_full_batch(conv_bn_2d, [1] * world, (3, 1, 1))
+
+
+def check_layer_options(rank: int, world: int) -> None:
+    train_against_full_batch(lambda: conv_bn_2d(affine=False), [3, 2, 2][:world], (3, 3, 3), steps=2)
+    train_against_full_batch(lambda: conv_bn_2d(track_running_stats=False), [3, 2, 2][:world], (3, 3, 3), steps=2)
+
+
+def check_eval_without_running_stats_is_global(rank: int, world: int) -> None:
+    train_against_full_batch(lambda: conv_bn_2d(track_running_stats=False), [2, 4, 3][:world], (3, 3, 3), steps=2, training=False)
+
+
+def check_global_count_one_raises_on_every_rank(rank: int, world: int) -> None:
+    layer = NN.SyncBatchNorm2d(3)
+    x = torch.randn(1 if rank == 0 else 0, 3, 1, 1)
+    expect_error_on_every_rank(lambda: layer(x), ValueError, "more than 1 value per channel", "ranks")
+    assert int(layer.num_batches_tracked) == 0 and torch.equal(layer.running_mean, torch.zeros(3))
+
+
+def check_collectives_per_step(rank: int, world: int) -> None:
+    model = NN.convert_sync_batchnorm(conv_bn_2d().double())
+    x = torch.randn(3, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+    with counted_collectives() as counts:
+        model(x).sum().backward()
+    gathers = counts.get("all_gather_single", []) + counts.get("all_gather_into_tensor", [])
+    # rows of 14 header values + mean and M2 (4 and 5 channels); backward: 2C sums + 4
+    assert sorted(gathers) == [14 + 2 * 4, 14 + 2 * 5], counts
+    assert sorted(counts.get("all_reduce", [])) == [2 * 4 + 4, 2 * 5 + 4], counts
+    assert set(counts) <= {"all_gather_single", "all_gather_into_tensor", "all_reduce"}, counts
+    model.eval()
+    with counted_collectives() as counts:
+        model(x).sum().backward()
+    assert counts == {}, f"eval with running statistics communicated: {counts}"
+
+
+def check_two_level(rank: int, world: int) -> None:
+    # batch 5 on 2 replicas is 3 + 2; 3 on 2 replicas is 2 + 1
+    train_against_full_batch(conv_bn_2d, [5, 3], (3, 3, 4), replicas=2)
+    train_against_full_batch(bn_1d_ncl, [4, 3], (4, 3), replicas=2, steps=2)
+
+
+def check_call_count_mismatch(rank: int, world: int) -> None:
+    first, second = NN.SyncBatchNorm1d(4), NN.SyncBatchNorm1d(4)
+    first.layer_name, second.layer_name = "first", "second"
+    x = torch.randn(3, 4)
+    first(x)
+    # rank 0 calls `first` twice, the others call `second`
+    layer = first if rank == 0 else second
+    expect_error_on_every_rank(lambda: layer(x), RuntimeError, "different synchronized calls", f"'{layer.layer_name}'")
+
+
+def check_backward_order_mismatch(rank: int, world: int) -> None:
+    first, second = NN.SyncBatchNorm1d(4), NN.SyncBatchNorm1d(4)
+    first.layer_name, second.layer_name = "first", "second"  # unnamed, they would look alike
+    x = torch.randn(3, 4, requires_grad=True)
+    y1, y2 = first(x), second(x)
+    outputs = [y1, y2] if rank == 0 else [y2, y1]
+    expect_error_on_every_rank(lambda: outputs[0].sum().backward(), RuntimeError, "backward of different synchronized calls")
+
+
+def check_dtype_mismatch(rank: int, world: int) -> None:
+    dtype = torch.float64 if rank == 0 else torch.float32
+    layer = NN.SyncBatchNorm1d(4, dtype=dtype)
+    expect_error_on_every_rank(lambda: layer(torch.randn(3, 4, dtype=dtype)), RuntimeError, "disagree on the input dtype")
+
+
+def check_bad_input_on_one_rank(rank: int, world: int) -> None:
+    layer = NN.SyncBatchNorm2d(4)
+    x = torch.randn(2, 3 if rank == 1 else 4, 2, 2)
+    if rank == 1:
+        expect_error_on_every_rank(lambda: layer(x), RuntimeError, "expected 4 channels")
+    else:
+        expect_error_on_every_rank(lambda: layer(x), RuntimeError, "rank(s) [1]", "failed before this exchange")
+    assert int(layer.num_batches_tracked) == 0
+
+
+def check_subgroups(rank: int, world: int) -> None:
+    group = NN.consecutive_rank_groups(2)
+    # ranks 0, 1 and ranks 2, 3 each sync over their own global batch (another split)
+    ours = train_against_full_batch(conv_bn_2d, [3, 2] if rank < 2 else [2, 4], (3, 3, 3), group=group)
+    means = gather_all(ours[1].running_mean)
+    assert torch.equal(means[0], means[1]) and torch.equal(means[2], means[3])
+    assert not torch.allclose(means[0], means[2]), "the two groups synced with each other"
+
+
+CHECKS: dict[int, list[Callable[[int, int], None]]] = {
+    2: [
+        check_2d_uneven_ddp,
+        check_2d_channels_last,
+        check_3d,
+        check_3d_channels_last,
+        check_1d,
+        check_empty_rank,
+        check_one_sample_per_rank_1x1,
+        check_layer_options,
+        check_eval_without_running_stats_is_global,
+        check_global_count_one_raises_on_every_rank,
+        check_collectives_per_step,
+        check_two_level,
+        check_call_count_mismatch,
+        check_backward_order_mismatch,
+        check_dtype_mismatch,
+        check_bad_input_on_one_rank,
+    ],
+    3: [check_2d_uneven_ddp, check_3d, check_1d, check_empty_rank, check_collectives_per_step],
+    4: [check_subgroups],
+}
+
+
+def run_checks(rank: int, world: int, names: list[str]) -> dict[str, str | None]:
+    """Run the named checks in order; the traceback of each failed one (None when it passed)."""
+    by_name = {check.__name__: check for check in CHECKS[world]}
+    results: dict[str, str | None] = {}
+    for name in names:
+        try:
+            by_name[name](rank, world)
+            results[name] = None
+        except BaseException:  # noqa: BLE001 - reported by the parent's test
+            results[name] = traceback.format_exc()
+    return results
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[int, list[dict[str, str | None]]]:
+    return {}
+
+
+def _outcome(outcomes: dict, world: int) -> list[dict[str, str | None]]:
+    if world not in outcomes:
+        names = [check.__name__ for check in CHECKS[world]]
+        outcomes[world] = run_local_group(run_checks, world, names, timeout_s=30)
+    return outcomes[world]
+
+
+@pytest.mark.parametrize(
+    "world, name", [(world, check.__name__) for world, checks in CHECKS.items() for check in checks]
+)
+def test_across_processes(outcomes, world: int, name: str) -> None:
+    failures = [f"rank {rank}:\n{result[name]}" for rank, result in enumerate(_outcome(outcomes, world)) if result[name]]
+    assert not failures, "\n".join(failures)
