@@ -1,0 +1,101 @@
+"""Train a small conv net with synchronized batch norm under DistributedDataParallel.
+
+    torchrun --nproc_per_node=2 examples/train_ddp.py            # CPU: Gloo
+    torchrun --nproc_per_node=4 examples/train_ddp.py --steps 50 # GPUs: NCCL, one GPU per process
+
+The backend is NCCL when CUDA is available (each process on GPU ``LOCAL_RANK``), else Gloo on
+the CPU. Every rank draws its own synthetic batch (a 4-class problem whose classes differ in the
+mean of their images); the batch norm statistics are taken over all ranks' batches together, so
+``--batch-per-rank 2`` on 8 GPUs normalizes like a batch of 16 on one GPU. Collectives (ours and
+DDP's) give up after ``--timeout`` seconds when a rank stops taking part.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from modules import nn as NN  # noqa: E402
+
+
+def build_model(classes: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1, bias=False),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1, bias=False),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, classes),
+    )
+
+
+def synthetic_batch(batch: int, classes: int, generator: torch.Generator, device: torch.device):
+    labels = torch.randint(classes, (batch,), generator=generator)
+    images = torch.randn(batch, 3, 16, 16, generator=generator) + labels.view(-1, 1, 1, 1) * 0.5
+    return images.to(device), labels.to(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch-per-rank", type=int, default=4)
+    parser.add_argument("--classes", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=0.02)
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a collective gives up")
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    # the timeout applies to every collective of the group, our batch norm's included
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    torch.manual_seed(0)  # the same initial model everywhere (DDP broadcasts rank 0's anyway)
+    model = NN.convert_sync_batchnorm(build_model(args.classes)).to(device)
+    # running statistics are identical on every rank, so DDP need not broadcast buffers each step
+    no_buffer_sync = (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+        else {"broadcast_buffers": False}
+    )
+    model = DistributedDataParallel(model, device_ids=[local_rank] if cuda else None, **no_buffer_sync)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    generator = torch.Generator().manual_seed(1 + rank)  # each rank its own data
+
+    for step in range(args.steps):
+        images, labels = synthetic_batch(args.batch_per_rank, args.classes, generator, device)
+        loss = nn.functional.cross_entropy(model(images), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
+            print(f"step {step:3d}  loss {total.item() / world:.4f}  ({world} ranks, {dist.get_backend()})")
+
+    model.eval()  # eval with running statistics: no communication
+    with torch.no_grad():
+        images, labels = synthetic_batch(64, args.classes, generator, device)
+        accuracy = (model(images).argmax(1) == labels).float().mean()
+    bn = model.module[1]
+    print(f"rank {rank}: eval accuracy {accuracy.item():.2f}, first running_mean {bn.running_mean[:3].tolist()}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
