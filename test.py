@@ -8,7 +8,12 @@ For every case, two identical small networks are built from the same seed:
   ``--device cuda`` and there are 2 or more of them, else under
   ``modules.parallel.ThreadedDataParallel(model, [device] * replicas)``. The default batch of 10
   on 4 replicas gives the uneven chunks 3, 3, 3, 1 (a chunk of one sample: per-replica
-  statistics of a 1d layer could not even be taken).
+  statistics of a 1d layer could not even be taken). With ``--distributed N`` it runs instead
+  under ``DistributedDataParallel`` in N local processes (Gloo on loopback, CPU), rank r on
+  chunk r (ranks beyond the chunks get an empty batch); every rank runs the reference on the
+  full batch and compares its own rows of the outputs and input gradients, its parameter
+  gradients times N (DDP averages them; ours train with lr * N to stay in step) and its
+  buffers. The table shows the worst difference over all ranks.
 
 Both are trained for a few SGD steps on the same inputs (offset from zero, so that the mean is
 not small against the spread) with the same random upstream gradient. After each step the
@@ -45,6 +50,7 @@ Options:
   --cases C [C ...] subset of 1d 2d 3d (default: all)
   --seed N          seed of the models, inputs and upstream gradients (default 0)
   --lr LR           SGD learning rate (default 0.01)
+  --distributed N   N local processes under DDP (Gloo, CPU) instead of replicas in threads
 
 Usage: ``python test.py [options]`` from the repository root.
 """
@@ -60,8 +66,10 @@ from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from functions import backend_info
+from functions.distributed import run_local_group
 from modules import nn as NN
 from modules.parallel import ThreadedDataParallel
 
@@ -190,6 +198,7 @@ class Config:
     channels_last: bool
     seed: int
     lr: float
+    processes: int = 1  # --distributed
 
     @property
     def mixed(self) -> bool:
@@ -216,15 +225,26 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, list[str]]:
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--seed", type=int, default=0, help="seed of models, inputs and upstream gradients")
     parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
+    parser.add_argument("--distributed", type=int, default=None, help="N local Gloo processes under DDP")
     args = parser.parse_args(argv)
-    for name, least in (("replicas", 1), ("steps", 1), ("batch", 2)):
+    if args.distributed is not None and (args.device == "cuda" or args.replicas is not None):
+        parser.error("--distributed runs one replica per process, on the CPU")
+    for name, least in (("replicas", 1), ("steps", 1), ("batch", 2), ("distributed", 1)):
         if getattr(args, name) is not None and getattr(args, name) < least:
             parser.error(f"--{name} must be at least {least}")
     if args.device == "cuda" and gpus == 0:
         parser.error("--device cuda: no GPU is visible")
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     config = Config(
-        device, DTYPES[args.dtype], args.replicas, args.steps, args.batch, args.channels_last, args.seed, args.lr
+        device,
+        DTYPES[args.dtype],
+        args.replicas,
+        args.steps,
+        args.batch,
+        args.channels_last,
+        args.seed,
+        args.lr,
+        args.distributed or 1,
     )
     return config, args.cases
 
@@ -238,16 +258,29 @@ def replica_plan(config: Config) -> tuple[bool, int]:
 
 
 def parallelize(model: nn.Module, config: Config) -> nn.Module:
-    """The converted model as replicas, as :func:`replica_plan` says."""
+    """The converted model under DDP (--distributed), else as replicas as :func:`replica_plan` says."""
+    if config.processes > 1:
+        return DistributedDataParallel(model, forward_sync_buffers=False)
     data_parallel, replicas = replica_plan(config)
     if data_parallel:
         return nn.DataParallel(model, device_ids=list(range(replicas)))
     return ThreadedDataParallel(model, [config.device] * replicas)
 
 
+def rank_rows(config: Config, rank: int) -> slice:
+    """The rows of the batch that ``rank`` of ``config.processes`` takes: its chunk, as the
+    replicas would have it, or none."""
+    sizes = [len(c) for c in torch.arange(config.batch).chunk(config.processes)]
+    sizes += [0] * (config.processes - len(sizes))
+    return slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+
+
 def describe(config: Config) -> str:
     data_parallel, replicas = replica_plan(config)
-    if data_parallel:
+    if config.processes > 1:
+        how = f"DistributedDataParallel over {config.processes} local Gloo processes"
+        replicas = config.processes
+    elif data_parallel:
         how = f"nn.DataParallel on cuda:0..{replicas - 1}"
     else:
         how = f"ThreadedDataParallel on {replicas} x {config.device}"
@@ -291,10 +324,11 @@ def make_input(case: Case, config: Config, step: int) -> Tensor:
     return x
 
 
-def upstream_gradient(output: Tensor, config: Config, step: int) -> Tensor:
-    """dL/dy of the step: random, the same for both models (a fresh generator every call)."""
+def upstream_gradient(output: Tensor, config: Config, step: int, rows: slice = slice(None)) -> Tensor:
+    """dL/dy of the step: random, the same for both models (a fresh generator every call);
+    ``rows`` of it when ``output`` is that slice of the full batch's output."""
     generator = torch.Generator().manual_seed(config.seed * 1000 + 500 + step)
-    grad = torch.randn(output.shape, generator=generator, dtype=torch.float64)
+    grad = torch.randn((config.batch, *output.shape[1:]), generator=generator, dtype=torch.float64)[rows]
     return grad.to(output.device, output.dtype)
 
 
@@ -306,14 +340,15 @@ def autocast(config: Config) -> AbstractContextManager:
 
 
 def train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, config: Config, step: int
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, config: Config, step: int, rows: slice = slice(None)
 ) -> tuple[Tensor, Tensor | None]:
-    """Forward, backward of the step's upstream gradient, SGD step; returns (output, input grad)."""
-    x = x.detach().clone().requires_grad_()
+    """Forward of ``rows`` of the step's batch ``x``, backward of the step's upstream gradient,
+    SGD step; returns (output, input grad)."""
+    x = x[rows].detach().clone().requires_grad_()
     optimizer.zero_grad(set_to_none=True)
     with autocast(config):
         y = model(x)
-    y.backward(upstream_gradient(y, config, step))
+    y.backward(upstream_gradient(y, config, step, rows))
     optimizer.step()
     return y.detach(), x.grad
 
@@ -333,32 +368,40 @@ def realign_parameters(model: nn.Module, reference: nn.Module) -> None:
 
 
 def quantities(
-    model: nn.Module, output: Tensor, input_grad: Tensor | None
+    model: nn.Module, output: Tensor, input_grad: Tensor | None, grad_scale: int = 1
 ) -> Iterator[tuple[str, str, Tensor | None]]:
-    """(layer, quantity, tensor): output, input grad, every parameter's grad and every buffer."""
+    """(layer, quantity, tensor): output, input grad, every parameter's grad (times
+    ``grad_scale``) and every buffer."""
     yield "model", "output", output
     yield "model", "input grad", input_grad
     for name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
-            yield name, f"{param_name} grad", param.grad
+            grad = param.grad if param.grad is None or grad_scale == 1 else param.grad * grad_scale
+            yield name, f"{param_name} grad", grad
         for buffer_name, buffer in module.named_buffers(recurse=False):
             yield name, buffer_name, buffer
 
 
-def run_case(name: str, case: Case, config: Config, rows: dict[tuple[str, str, str], Row]) -> None:
+def run_case(name: str, case: Case, config: Config, rows: dict[tuple[str, str, str], Row], rank: int = 0) -> None:
     """Train both models side by side; fold each step's differences into ``rows``.
 
-    Layers are named by the reference's index and type.
+    Layers are named by the reference's index and type. Under --distributed this runs on every
+    rank, ours on the rank's rows of the batch.
     """
     reference, converted = build_pair(case, config)
     parallel = parallelize(converted, config)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=config.lr) for m in (reference, converted)]
+    world = config.processes  # DDP averages the gradients over the ranks: lr * world keeps step
+    optimizers = [torch.optim.SGD(m.parameters(), lr=config.lr * s) for m, s in ((reference, 1), (converted, world))]
     types = {layer: f"{layer} {type(module).__name__}" for layer, module in reference.named_modules()}
+    mine = rank_rows(config, rank)
     for step in range(config.steps):
         x = make_input(case, config, step)
         ref_y, ref_dx = train_step(reference, optimizers[0], x, config, step)
-        our_y, our_dx = train_step(parallel, optimizers[1], x, config, step)
-        pairs = zip(quantities(reference, ref_y, ref_dx), quantities(converted, our_y, our_dx))
+        our_y, our_dx = train_step(parallel, optimizers[1], x, config, step, mine)
+        pairs = zip(
+            quantities(reference, ref_y[mine], None if ref_dx is None else ref_dx[mine]),
+            quantities(converted, our_y, our_dx, grad_scale=world),
+        )
         for (layer, quantity, ref), (our_layer, our_quantity, ours) in pairs:
             if (our_layer, our_quantity) != (layer, quantity):
                 raise RuntimeError(f"models differ in structure: {layer}.{quantity} vs {our_layer}.{our_quantity}")
@@ -389,6 +432,25 @@ def print_table(rows: dict[tuple[str, str, str], Row], tolerances: dict[str, Tol
     return failures
 
 
+def run_rank(rank: int, world: int, config: Config, cases: list[str]) -> dict[tuple[str, str, str], tuple]:
+    """One process of --distributed: every case on this rank; its rows as plain tuples."""
+    rows: dict[tuple[str, str, str], Row] = {}
+    for name in cases:
+        run_case(name, CASES[name], config, rows, rank)
+    return {key: (row.max_diff, row.max_ref, row.exact) for key, row in rows.items()}
+
+
+def run_distributed(config: Config, cases: list[str]) -> dict[tuple[str, str, str], Row]:
+    """The worst of every rank's rows."""
+    rows: dict[tuple[str, str, str], Row] = {}
+    for per_rank in run_local_group(run_rank, config.processes, config, cases, timeout_s=60):
+        for key, (max_diff, max_ref, exact) in per_rank.items():
+            row = rows.setdefault(key, Row())
+            row.max_diff, row.max_ref = max(row.max_diff, max_diff), max(row.max_ref, max_ref)
+            row.exact = row.exact or exact
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     config, cases = parse_args(argv)
     if config.device.type == "cuda":
@@ -399,7 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     print(describe(config))
     rows: dict[tuple[str, str, str], Row] = {}
-    for name in cases:
+    if config.processes > 1:
+        rows = run_distributed(config, cases)
+    for name in cases if config.processes == 1 else []:
         run_case(name, CASES[name], config, rows)
     failures = print_table(rows, TOLERANCES[config.dtype])
     elapsed = time.perf_counter() - started
