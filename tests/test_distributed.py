@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import copy
 import traceback
-from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from functions.distributed import run_local_group
+from functions.distributed import count_collectives, run_local_group
 from helpers import randomize_affine
 from modules import nn as NN
 from modules.parallel import ThreadedDataParallel
@@ -131,30 +130,6 @@ def train_against_full_batch(
     return ours
 
 
-@contextmanager
-def counted_collectives() -> Iterator[dict[str, list[int]]]:
-    """Count the collectives (and their sizes, in elements) that torch.distributed runs."""
-    counts: dict[str, list[int]] = {}
-    names = ["all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast", "all_gather_object"]
-    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
-
-    def counting(name: str, original: Callable) -> Callable:
-        def wrapper(*args, **kwargs):
-            tensor = args[1] if name.startswith("all_gather") and name != "all_gather_object" else args[0]
-            counts.setdefault(name, []).append(tensor.numel() if isinstance(tensor, Tensor) else -1)
-            return original(*args, **kwargs)
-
-        return wrapper
-
-    for name, original in originals.items():
-        setattr(dist, name, counting(name, original))
-    try:
-        yield counts
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-
-
 def expect_error_on_every_rank(run: Callable[[], object], error: type, *words: str) -> None:
     with pytest.raises(error) as caught:
         run()
@@ -213,7 +188,7 @@ def check_global_count_one_raises_on_every_rank(rank: int, world: int) -> None:
 def check_collectives_per_step(rank: int, world: int) -> None:
     model = NN.convert_sync_batchnorm(conv_bn_2d().double())
     x = torch.randn(3, 3, 4, 4, dtype=torch.float64, requires_grad=True)
-    with counted_collectives() as counts:
+    with count_collectives() as counts:
         model(x).sum().backward()
     gathers = counts.get("all_gather_single", []) + counts.get("all_gather_into_tensor", [])
     # rows of 14 header values + mean and M2 (4 and 5 channels); backward: 2C sums + 4
@@ -221,7 +196,7 @@ def check_collectives_per_step(rank: int, world: int) -> None:
     assert sorted(counts.get("all_reduce", [])) == [2 * 4 + 4, 2 * 5 + 4], counts
     assert set(counts) <= {"all_gather_single", "all_gather_into_tensor", "all_reduce"}, counts
     model.eval()
-    with counted_collectives() as counts:
+    with count_collectives() as counts:
         model(x).sum().backward()
     assert counts == {}, f"eval with running statistics communicated: {counts}"
 
@@ -319,9 +294,15 @@ def outcomes() -> dict[int, list[dict[str, str | None]]]:
 
 
 def _outcome(outcomes: dict, world: int) -> list[dict[str, str | None]]:
+    """The checks of ``world`` ranks, run once; a failure of the process set fails them all."""
     if world not in outcomes:
         names = [check.__name__ for check in CHECKS[world]]
-        outcomes[world] = run_local_group(run_checks, world, names, timeout_s=30)
+        try:
+            outcomes[world] = run_local_group(run_checks, world, names, timeout_s=30)
+        except Exception as error:  # noqa: BLE001 - re-raised by every test of this world
+            outcomes[world] = error
+    if isinstance(outcomes[world], Exception):
+        raise outcomes[world]
     return outcomes[world]
 
 
