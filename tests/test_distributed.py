@@ -205,6 +205,8 @@ def check_two_level(rank: int, world: int) -> None:
     # batch 5 on 2 replicas is 3 + 2; 3 on 2 replicas is 2 + 1
     train_against_full_batch(conv_bn_2d, [5, 3], (3, 3, 4), replicas=2)
     train_against_full_batch(bn_1d_ncl, [4, 3], (4, 3), replicas=2, steps=2)
+    train_against_full_batch(conv_bn_2d, [1, 3], (3, 2, 2), replicas=2, steps=2)  # 1 replica on rank 0
+    train_against_full_batch(conv_bn_2d, [4, 0], (3, 2, 2), replicas=2, steps=2)  # empty process
 
 
 def check_call_count_mismatch(rank: int, world: int) -> None:
@@ -249,6 +251,12 @@ def check_subgroups(rank: int, world: int) -> None:
     means = gather_all(ours[1].running_mean)
     assert torch.equal(means[0], means[1]) and torch.equal(means[2], means[3])
     assert not torch.allclose(means[0], means[2]), "the two groups synced with each other"
+    first_two = dist.new_group([0, 1])  # every rank creates it; ranks 2 and 3 are not members
+    layer = NN.SyncBatchNorm1d(3, process_group=first_two)
+    if rank >= 2:
+        expect_error_on_every_rank(lambda: layer(torch.randn(4, 3)), RuntimeError, "not a member")
+    with pytest.raises(ValueError, match="must divide the world size 4"):
+        NN.consecutive_rank_groups(3)
 
 
 CHECKS: dict[int, list[Callable[[int, int], None]]] = {
@@ -312,3 +320,11 @@ def _outcome(outcomes: dict, world: int) -> list[dict[str, str | None]]:
 def test_across_processes(outcomes, world: int, name: str) -> None:
     failures = [f"rank {rank}:\n{result[name]}" for rank, result in enumerate(_outcome(outcomes, world)) if result[name]]
     assert not failures, "\n".join(failures)
+
+
+def test_process_group_without_torch_distributed_raises() -> None:
+    layer = NN.SyncBatchNorm1d(3, process_group=object())
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        layer(torch.randn(4, 3))
+    layer.eval()
+    assert layer(torch.randn(4, 3)).shape == (4, 3)  # eval with running stats never syncs
