@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from functions import sync_batch_norm
+from functions import kernels_for, sync_batch_norm
 from functions.replicas import REPLICA_ATTR, ReplicaHandle, RoundTracker, resolve_timeout
 
 __all__ = [
@@ -154,8 +154,10 @@ class SyncBatchNorm(_BatchNorm):
         self._check_input(input)
         uses_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         self._check_no_process_group(uses_batch_stats)
-        synced = uses_batch_stats and handle is not None and handle.round.size > 1
-        if not synced:
+        replicated = handle is not None and handle.round.size > 1
+        # a lone replica takes our kernels only where they beat torch's own batch norm
+        ours = uses_batch_stats and (replicated or kernels_for(input.device).serves_single_device)
+        if not ours:
             if uses_batch_stats and input.numel() == input.size(1):
                 raise ValueError(
                     f"{self._label()}: Expected more than 1 value per channel when training, "
@@ -172,7 +174,7 @@ class SyncBatchNorm(_BatchNorm):
             self.momentum,
             self.eps,
             num_batches_tracked=self.num_batches_tracked if updates else None,
-            replica_call=handle.next_call(),
+            replica_call=handle.next_call() if replicated else None,
             layer=self._label(),
         )
 
