@@ -22,7 +22,7 @@ using at::vec::Vectorized;
 constexpr int64_t kGrainElements = 32768;
 // At most this many values per float accumulator lane before its partial is merged in double:
 // bounds the float32 rounding error of a lane's sum or running mean.
-constexpr int64_t kMaxLaneUpdates = 4096;
+constexpr int64_t kMaxLaneUpdates = 256;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
