@@ -1,19 +1,30 @@
 """The backend seam: which kernels serve the five batch-norm operations on a device.
 
 A backend is a :class:`Kernels` record of five callables with the signatures of
-:mod:`functions.reference`. The pure-PyTorch reference serves every device; on CUDA tensors the
-elementwise and backward operations go to PyTorch's own SyncBN CUDA ops (which have no CPU
-kernels). Compiled kernels (``src/``) plug in here as further records.
+:mod:`functions.reference`. CPU tensors go to the compiled kernels (``src/cpu``, built into
+``functions/_C_<capability>`` by ``setup.py``) where they are built for an instruction set that
+this CPU has, else to the pure-PyTorch reference (with one warning). On CUDA tensors the
+elementwise and backward operations go to PyTorch's own SyncBN CUDA ops. ``SYNCBN_KERNELS=reference``
+in the environment forces the reference everywhere (to debug, or to test it).
 """
 from __future__ import annotations
 
+import importlib
+import os
+import warnings
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Callable
 
 import torch
 from torch import Tensor
 
 from . import reference
+
+# Instruction sets the CPU kernels may be built for, weakest first (see setup.py).
+CPU_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")
+FORCE_REFERENCE = os.environ.get("SYNCBN_KERNELS", "").lower() == "reference"
+BUILD_HINT = "build them with `./make_ext.sh` or `pip install --no-build-isolation -e .`"
 
 
 @dataclass(frozen=True)
@@ -26,6 +37,8 @@ class Kernels:
     elemt_forward: Callable[..., Tensor]
     backward_reduce: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
     backward_elemt: Callable[..., Tensor]
+    serves_single_device: bool = False
+    """Faster than torch's own batch norm, so it also serves a lone replica in training."""
 
 
 REFERENCE = Kernels(
@@ -77,7 +90,54 @@ TORCH_CUDA = Kernels(
     backward_elemt=_torch_cuda_backward_elemt,
 )
 
-_BY_DEVICE_TYPE: dict[str, Kernels] = {"cuda": TORCH_CUDA}
+
+
+def usable_cpu_capabilities() -> list[str]:
+    """The instruction sets this CPU runs (as torch sees it), best first."""
+    runtime = torch.backends.cpu.get_cpu_capability().upper()
+    known = CPU_CAPABILITIES.index(runtime) if runtime in CPU_CAPABILITIES else 0
+    return list(reversed(CPU_CAPABILITIES[: known + 1]))
+
+
+def load_compiled() -> ModuleType | None:
+    """The compiled extension built for the best instruction set this CPU has, or None with one
+    warning that says why and how to build it."""
+    if FORCE_REFERENCE:
+        return None
+    tried = []
+    for capability in usable_cpu_capabilities():
+        name = f"_C_{capability.lower()}"
+        try:
+            return importlib.import_module(f".{name}", __package__)
+        except ImportError as error:
+            tried.append(f"{name}: {error}")
+    warnings.warn(
+        "syncbn: no compiled kernels for this CPU (" + "; ".join(tried) + "); the pure-PyTorch "
+        f"reference kernels serve every device, which is slower: {BUILD_HINT}",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return None
+
+
+def compiled_kernels(ops: ModuleType, name: str) -> Kernels:
+    """A :class:`Kernels` record of one device's submodule of the compiled extension."""
+    return Kernels(
+        name=name,
+        serves_single_device=True,
+        local_stats=ops.local_stats,
+        merge_stats=ops.merge_stats,
+        elemt_forward=ops.elemt_forward,
+        backward_reduce=ops.backward_reduce,
+        backward_elemt=ops.backward_elemt,
+    )
+
+
+COMPILED = load_compiled()
+
+_BY_DEVICE_TYPE: dict[str, Kernels] = {} if FORCE_REFERENCE else {"cuda": TORCH_CUDA}
+if COMPILED is not None:
+    _BY_DEVICE_TYPE["cpu"] = compiled_kernels(COMPILED.cpu, f"compiled-cpu-{COMPILED.cpu.capability.lower()}")
 
 
 def kernels_for(device: torch.device) -> Kernels:

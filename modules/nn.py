@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from functions import sync_batch_norm
+from functions import kernels_for, sync_batch_norm
 from functions.distributed import ProcessGroupSync, active_process_group, consecutive_rank_groups, report_failure
 from functions.replicas import REPLICA_ATTR, ReplicaHandle, RoundTracker, resolve_timeout
 
@@ -167,8 +167,10 @@ class SyncBatchNorm(_BatchNorm):
         if group is not None and (handle is None or handle.index == 0):
             process_call = self._process_sync.next_call(group, self._label())
         self._check_input_before(process_call, input)
-        replicas = handle is not None and handle.round.size > 1
-        if not (uses_batch_stats and (replicas or group is not None)):
+        replicated = handle is not None and handle.round.size > 1
+        # a lone replica of a lone process takes our kernels only where they beat torch's own
+        ours = uses_batch_stats and (replicated or group is not None or kernels_for(input.device).serves_single_device)
+        if not ours:
             if uses_batch_stats and input.numel() == input.size(1):
                 raise ValueError(
                     f"{self._label()}: Expected more than 1 value per channel when training, "
@@ -185,7 +187,7 @@ class SyncBatchNorm(_BatchNorm):
             self.momentum,
             self.eps,
             num_batches_tracked=self.num_batches_tracked if updates else None,
-            replica_call=handle.next_call() if replicas else None,
+            replica_call=handle.next_call() if replicated else None,
             process_call=process_call,
             layer=self._label(),
         )

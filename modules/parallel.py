@@ -10,6 +10,7 @@ original graph. Devices may repeat: ``['cpu'] * 4``, ``['cuda:0'] * 2``.
 """
 from __future__ import annotations
 
+import queue
 import threading
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator, Sequence, TypeVar
@@ -119,12 +120,47 @@ class _ThreadState:
             yield
 
 
+class _Worker:
+    """A daemon thread that runs the jobs it is handed, one at a time. Workers outlive the step
+    (they wait in a free list between calls), so that per-thread state, such as the OpenMP
+    thread team that torch's CPU kernels start from each calling thread, is made once rather
+    than at every forward and backward."""
+
+    _idle: list["_Worker"] = []
+    _idle_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, daemon=True, name="ThreadedDataParallel-worker").start()
+
+    def _serve(self) -> None:
+        while True:
+            self._jobs.get()()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    @classmethod
+    def take(cls, count: int) -> list["_Worker"]:
+        """``count`` idle workers, started where there are not enough."""
+        with cls._idle_lock:
+            taken = cls._idle[:count]
+            del cls._idle[:count]
+        return taken + [cls() for _ in range(count - len(taken))]
+
+    @classmethod
+    def give_back(cls, workers: Sequence["_Worker"]) -> None:
+        with cls._idle_lock:
+            cls._idle.extend(workers)
+
+
 def _run_in_threads(jobs: Sequence[Callable[[], T]], rounds: Sequence[ReplicaRound]) -> list[T]:
-    """Run one job per replica, each in its own thread. When one raises, the rounds of the
-    synchronized layers are broken at once so that no replica waits for it; after all threads
-    ended, the first error that is not such a consequence is re-raised."""
+    """Run one job per replica, all at once, each on its own worker thread. When one raises,
+    the rounds of the synchronized layers are broken at once so that no replica waits for it;
+    after all jobs ended, the first error that is not such a consequence is re-raised."""
     results: list[Any] = [None] * len(jobs)
     errors: list[BaseException | None] = [None] * len(jobs)
+    done = [threading.Event() for _ in jobs]
 
     def work(index: int) -> None:
         try:
@@ -132,12 +168,15 @@ def _run_in_threads(jobs: Sequence[Callable[[], T]], rounds: Sequence[ReplicaRou
         except BaseException as error:
             errors[index] = error
             abort_rounds(rounds, error, index)
+        finally:
+            done[index].set()
 
-    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(jobs))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    workers = _Worker.take(len(jobs))
+    for index, worker in enumerate(workers):
+        worker.submit(lambda index=index: work(index))
+    for event in done:
+        event.wait()
+    _Worker.give_back(workers)
     failed = [e for e in errors if e is not None]
     if failed:
         raise next((e for e in failed if not isinstance(e, ReplicaSyncError)), failed[0])

@@ -1,0 +1,223 @@
+"""CPU benchmark: nn.BatchNorm against our layers on one replica and under ThreadedDataParallel.
+
+For each case (shape, layout, dtype) it times, with torch.utils.benchmark in one run:
+  - forward (training mode, input requiring grad, as in a training step), and
+  - forward + backward (torch.autograd.grad of the output for the input, weight and bias)
+of nn.BatchNorm (the reference for every ratio), of our layer on one replica (the synchronized
+Function through the compiled kernels, which is what a lone CPU replica runs), and of our layer
+under ThreadedDataParallel with 2 and 4 replicas on the same total batch. It also measures the
+device copy bandwidth and the peak memory that one forward + backward allocates (from the
+profiler's allocation events), and writes the tables into benchmarks/RESULTS.md.
+
+    python benchmarks/bench_cpu.py                 # every case, ~4 minutes on 2 cores
+    python benchmarks/bench_cpu.py --quick         # the (32, 64, 56, 56) float32 cases only
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import gc
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils import benchmark
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from functions import backend_info  # noqa: E402
+from modules import nn as NN  # noqa: E402
+from modules.parallel import ThreadedDataParallel  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+BEGIN, END = "<!-- bench_cpu:begin -->", "<!-- bench_cpu:end -->"
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: tuple[int, ...]
+    channels_last: bool
+    dtype: torch.dtype
+
+    def label(self) -> str:
+        layout = "channels_last" if self.channels_last else ("NCHW" if len(self.shape) == 4 else "(N, C)")
+        return f"{self.shape} {layout} {str(self.dtype).replace('torch.', '')}"
+
+    def input(self) -> torch.Tensor:
+        x = torch.randn(self.shape, dtype=self.dtype)
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x.requires_grad_()
+
+
+def cases(quick: bool) -> list[Case]:
+    shapes = [(32, 64, 56, 56)] if quick else [(32, 64, 56, 56), (8, 256, 28, 28), (64, 512, 7, 7)]
+    dtypes = [torch.float32] if quick else [torch.float32, torch.bfloat16]
+    out = [Case(s, cl, d) for s in shapes for cl in (False, True) for d in dtypes]
+    if not quick:
+        out += [Case((256, 2048), False, d) for d in dtypes]
+    return out
+
+
+def layers(case: Case) -> dict[str, nn.Module]:
+    """The four contenders, with identical parameters (float32, as under autocast)."""
+    C = case.shape[1]
+    torch_cls = nn.BatchNorm1d if len(case.shape) == 2 else nn.BatchNorm2d
+    ours = NN.convert_sync_batchnorm(torch_cls(C))
+    return {
+        "torch": torch_cls(C),
+        "ours x1": ours,
+        "threads x2": ThreadedDataParallel(ours, ["cpu"] * 2),
+        "threads x4": ThreadedDataParallel(ours, ["cpu"] * 4),
+    }
+
+
+def step_functions(model: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict[str, Callable[[], object]]:
+    params = [p for p in model.parameters()]
+
+    def forward():
+        return model(x)
+
+    def forward_backward():
+        return torch.autograd.grad(model(x), [x, *params], dy)
+
+    return {"forward": forward, "forward+backward": forward_backward}
+
+
+def median_ms(fn: Callable[[], object], min_run_time: float) -> float:
+    fn()  # warm up (allocator, thread pool)
+    return benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median * 1e3
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def return_large_blocks_to_the_os() -> bool:
+    """Make glibc serve every block over 128 KiB by mmap and unmap it when freed (a fixed
+    M_MMAP_THRESHOLD: no dynamic threshold that keeps freed tensors resident), so that the
+    resident set follows the tensors alive. Changes allocation costs: timings come before."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-3, 128 * 1024)) and libc.malloc_trim(0) >= 0  # -3: M_MMAP_THRESHOLD
+    except OSError:
+        return False
+
+
+def peak_memory_mb(fn: Callable[[], object]) -> float | None:
+    """How far the process's resident memory rose above where it stood, at most, during fn
+    (Linux: VmHWM after resetting it through /proc/self/clear_refs; every thread counts).
+    None where that is not available."""
+    try:
+        gc.collect()
+        base = _status_kb("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        fn()
+        return (_status_kb("VmHWM") - base) / 1024
+    except OSError:
+        return None
+
+
+def copy_bandwidth_gbs(min_run_time: float) -> float:
+    x = torch.randn(32, 64, 56, 56)
+    y = torch.empty_like(x)
+    ms = median_ms(lambda: y.copy_(x), min_run_time)
+    return 2 * x.numel() * x.element_size() / (ms * 1e-3) / 1e9
+
+
+def run(quick: bool, min_run_time: float) -> tuple[list[str], list[str]]:
+    time_rows = []
+    for case in cases(quick):
+        x = case.input()
+        dy = torch.randn_like(x)
+        times: dict[tuple[str, str], float] = {}
+        for name, model in layers(case).items():
+            for what, fn in step_functions(model, x, dy).items():
+                times[name, what] = median_ms(fn, min_run_time)
+        row = [case.label()]
+        for what in ("forward", "forward+backward"):
+            base = times["torch", what]
+            row.append(f"{base:.2f}")
+            row += [f"{times[n, what]:.2f} ({times[n, what] / base:.2f}x)" for n in ("ours x1", "threads x2", "threads x4")]
+        time_rows.append("| " + " | ".join(row) + " |")
+        print(time_rows[-1], flush=True)
+    memory_rows = []
+    exact = return_large_blocks_to_the_os()
+    for case in cases(quick):
+        x = case.input()
+        dy = torch.randn_like(x)
+        row = [case.label(), f"{x.numel() * x.element_size() / 2**20:.0f}"]
+        for model in layers(case).values():
+            step = step_functions(model, x, dy)["forward+backward"]
+            step()
+            peak = peak_memory_mb(step) if exact else None
+            row.append("n/a" if peak is None else f"{peak:.0f}")
+        memory_rows.append("| " + " | ".join(row) + " |")
+    return time_rows, memory_rows
+
+
+def report(time_rows: list[str], memory_rows: list[str], bandwidth: float, min_run_time: float) -> str:
+    cpu = platform.processor() or platform.machine()
+    return "\n".join([
+        BEGIN,
+        "## CPU (`benchmarks/bench_cpu.py`)",
+        "",
+        f"Machine: {os.cpu_count()}-core {cpu} VM, {torch.get_num_threads()} torch threads, no GPU; "
+        f"torch {torch.__version__}, Python {platform.python_version()}; backends {backend_info()}; "
+        f"{datetime.date.today().isoformat()}. Copy bandwidth (32x64x56x56 float32, read + write): "
+        f"{bandwidth:.1f} GB/s. Medians of `torch.utils.benchmark` blocked_autorange "
+        f"(min_run_time {min_run_time} s), in ms; ratios against `nn.BatchNorm*` in the same run.",
+        "",
+        "`ours x1` is our layer on one replica (the synchronized Function through the compiled "
+        "kernels); `threads xR` is `ThreadedDataParallel` over R CPU replicas on the same total "
+        "batch. Forward is a training-mode forward of an input that requires grad; "
+        "forward+backward adds `torch.autograd.grad` for input, weight and bias.",
+        "",
+        "| case | torch fwd | ours x1 fwd | threads x2 fwd | threads x4 fwd "
+        "| torch fwd+bwd | ours x1 fwd+bwd | threads x2 fwd+bwd | threads x4 fwd+bwd |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *time_rows,
+        "",
+        "Peak memory of one forward + backward: how far the resident set rose above its level "
+        "before the step (MB; the input and dy, allocated before, are not counted):",
+        "",
+        "| case | input | torch | ours x1 | threads x2 | threads x4 |",
+        "|---|---|---|---|---|---|",
+        *memory_rows,
+        END,
+    ])
+
+
+def write_results(section: str) -> None:
+    text = open(RESULTS).read() if os.path.exists(RESULTS) else "# Benchmark results\n"
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    with open(RESULTS, "w") as f:
+        f.write(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="only (32, 64, 56, 56) float32")
+    parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per measurement")
+    parser.add_argument("--no-write", action="store_true", help="print, do not touch RESULTS.md")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth_gbs(args.min_run_time)
+    time_rows, memory_rows = run(args.quick, args.min_run_time)
+    section = report(time_rows, memory_rows, bandwidth, args.min_run_time)
+    print(section)
+    if not args.no_write:
+        write_results(section)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+// The five CPU operations of a synchronized batch norm. Signatures and semantics follow the
+// pure-PyTorch reference in functions/reference.py, against which they are tested.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+namespace syncbn::cpu {
+
+// Count (values per channel), mean and M2 of each channel of x (N, C, *), in float64.
+std::tuple<int64_t, at::Tensor, at::Tensor> local_stats(const at::Tensor& input);
+
+// Mean and biased variance of the union of R parts: counts (R,), means and m2s (R, C).
+std::tuple<at::Tensor, at::Tensor> merge_stats(const at::Tensor& counts, const at::Tensor& means,
+                                               const at::Tensor& m2s);
+
+// y = x * scale + shift, scale = invstd * weight, shift = bias - mean * scale.
+at::Tensor elemt_forward(const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
+                         const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias);
+
+// sum(dy) and sum(dy * (x - mean)) per channel, in mean's dtype.
+std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& grad_output, const at::Tensor& input,
+                                                   const at::Tensor& mean);
+
+// dx = (dy - sum_dy / count - (x - mean) * invstd^2 * sum_dy_xmu / count) * invstd * weight.
+at::Tensor backward_elemt(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
+                          const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
+                          const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu, int64_t count);
+
+// The instruction set the kernels were built for: "AVX512", "AVX2" or "DEFAULT".
+const char* capability();
+
+}  // namespace syncbn::cpu

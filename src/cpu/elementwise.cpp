@@ -1,0 +1,161 @@
+// Per-channel elementwise passes: the forward y = x * scale + shift and the backward
+// dx = (dy - mean_dy - (x - mean) * xmu_coef) * scale, each one pass over memory with its
+// per-channel coefficients computed once (in double, then rounded to the accumulation type).
+#include "batch_norm_cpu.h"
+#include "loops.h"
+
+namespace syncbn::cpu {
+namespace {
+
+// out = op(inputs, params of the value's channel) over every value of either layout, in
+// vectors of the accumulation type. `params` are per-channel arrays padded to whole vectors;
+// op takes (std::array<Vec, kIn>, std::array<Vec, kParams>) and returns a Vec.
+template <typename scalar_t, size_t kIn, size_t kParams, typename Op>
+void map_per_channel(const Layout& l, const std::array<const scalar_t*, kIn>& in, scalar_t* out,
+                     const std::array<const at::opmath_type<scalar_t>*, kParams>& params, const Op& op) {
+  using A = AccVec<scalar_t>;
+  using Vec = typename A::Vec;
+  using ParamVecs = std::array<std::array<Vec, kParams>, A::kVecs>;
+
+  // kWidth values (or `count` < kWidth) starting at `offset`
+  const auto apply = [&](int64_t offset, int64_t count, const ParamVecs& p) {
+    std::array<typename A::Pack, kIn> v;
+    for (size_t j = 0; j < kIn; ++j) {
+      v[j] = count == A::kWidth ? A::load(in[j] + offset) : A::load_partial(in[j] + offset, count);
+    }
+    typename A::Pack y;
+    for (int k = 0; k < A::kVecs; ++k) {
+      std::array<Vec, kIn> args;
+      for (size_t j = 0; j < kIn; ++j) args[j] = v[j][k];
+      y[k] = op(args, p[k]);
+    }
+    if (count == A::kWidth) {
+      A::store(out + offset, y);
+    } else {
+      A::store_partial(out + offset, y, count);
+    }
+  };
+
+  if (l.interleaved) {
+    const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(l.C, 1));
+    at::parallel_for(0, l.rows(), grain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t c = 0; c < l.C; c += A::kWidth) {
+          ParamVecs p;
+          for (int k = 0; k < A::kVecs; ++k) {
+            for (size_t j = 0; j < kParams; ++j) p[k][j] = Vec::loadu(params[j] + c + k * Vec::size());
+          }
+          apply(r * l.C + c, std::min(A::kWidth, l.C - c), p);
+        }
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, l.numel(), kGrainElements, [&](int64_t begin, int64_t end) {
+    while (begin < end) {
+      const int64_t row = begin / l.S, length = std::min(l.S - begin % l.S, end - begin);
+      ParamVecs p;
+      for (size_t j = 0; j < kParams; ++j) {
+        const Vec value(params[j][row % l.C]);
+        for (int k = 0; k < A::kVecs; ++k) p[k][j] = value;
+      }
+      for (int64_t i = 0; i < length; i += A::kWidth) apply(begin + i, std::min(A::kWidth, length - i), p);
+      begin += length;
+    }
+  });
+}
+
+// A (C,) tensor (or None) as doubles; `fill` where it is absent.
+std::vector<double> per_channel_doubles(const std::optional<at::Tensor>& t, int64_t C, double fill) {
+  std::vector<double> out(C, fill);
+  if (t.has_value() && t->defined()) {
+    TORCH_CHECK(t->numel() == C, "syncbn: expected ", C, " per-channel values, got ", t->numel());
+    const auto d = t->to(at::kDouble).contiguous();
+    std::copy_n(d.const_data_ptr<double>(), C, out.data());
+  }
+  return out;
+}
+
+template <typename scalar_t>
+void elemt_forward_kernel(const at::Tensor& x, const Layout& l, at::Tensor& y, const std::vector<double>& scale,
+                          const std::vector<double>& shift) {
+  using A = AccVec<scalar_t>;
+  using acc_t = typename A::acc_t;
+  using Vec = typename A::Vec;
+  auto scale_acc = padded_params<acc_t>(l.C, A::kWidth), shift_acc = scale_acc;
+  std::copy(scale.begin(), scale.end(), scale_acc.begin());
+  std::copy(shift.begin(), shift.end(), shift_acc.begin());
+  map_per_channel<scalar_t, 1, 2>(
+      l, {x.const_data_ptr<scalar_t>()}, y.data_ptr<scalar_t>(), {scale_acc.data(), shift_acc.data()},
+      [](const std::array<Vec, 1>& v, const std::array<Vec, 2>& p) { return at::vec::fmadd(v[0], p[0], p[1]); });
+}
+
+template <typename scalar_t>
+void backward_elemt_kernel(const at::Tensor& dy, const at::Tensor& x, const Layout& l, at::Tensor& dx,
+                           const std::array<std::vector<double>, 4>& coefficients) {
+  using A = AccVec<scalar_t>;
+  using acc_t = typename A::acc_t;
+  using Vec = typename A::Vec;
+  std::array<std::vector<acc_t>, 4> acc;
+  for (size_t j = 0; j < 4; ++j) {
+    acc[j] = padded_params<acc_t>(l.C, A::kWidth);
+    std::copy(coefficients[j].begin(), coefficients[j].end(), acc[j].begin());
+  }
+  // params: mean, mean_dy, xmu_coef, scale
+  map_per_channel<scalar_t, 2, 4>(
+      l, {dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>()}, dx.data_ptr<scalar_t>(),
+      {acc[0].data(), acc[1].data(), acc[2].data(), acc[3].data()},
+      [](const std::array<Vec, 2>& v, const std::array<Vec, 4>& p) {
+        const Vec xmu = v[1] - p[0];
+        return at::vec::fnmadd(xmu, p[2], v[0] - p[1]) * p[3];
+      });
+}
+
+}  // namespace
+
+at::Tensor elemt_forward(const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
+                         const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias) {
+  check_input(input, "elemt_forward");
+  const auto [x, l] = as_layout(input);
+  auto scale = per_channel_doubles(invstd, l.C, 1.0);
+  const auto m = per_channel_doubles(mean, l.C, 0.0);
+  const auto w = per_channel_doubles(weight, l.C, 1.0);
+  auto shift = per_channel_doubles(bias, l.C, 0.0);
+  for (int64_t c = 0; c < l.C; ++c) {
+    scale[c] *= w[c];
+    shift[c] -= m[c] * scale[c];
+  }
+  auto y = at::empty_like(x);
+  if (l.numel() == 0) return y;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_elemt_forward",
+                                  [&] { elemt_forward_kernel<scalar_t>(x, l, y, scale, shift); });
+  return y;
+}
+
+at::Tensor backward_elemt(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
+                          const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
+                          const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu, int64_t count) {
+  check_input(input, "backward_elemt");
+  TORCH_CHECK(grad_output.scalar_type() == input.scalar_type(), "syncbn.backward_elemt: grad_output is ",
+              grad_output.scalar_type(), " but the input is ", input.scalar_type());
+  const auto [x, l] = as_layout(input);
+  const auto dy = like_layout(grad_output, x);
+  auto dx = at::empty_like(x);
+  if (l.numel() == 0) return dx;
+  TORCH_CHECK(count > 0, "syncbn.backward_elemt: the batch count must be positive, got ", count);
+  const auto invstd_d = per_channel_doubles(invstd, l.C, 1.0);
+  const auto w = per_channel_doubles(weight, l.C, 1.0);
+  std::array<std::vector<double>, 4> coefficients{per_channel_doubles(mean, l.C, 0.0),
+                                                  per_channel_doubles(sum_dy, l.C, 0.0),
+                                                  per_channel_doubles(sum_dy_xmu, l.C, 0.0), invstd_d};
+  for (int64_t c = 0; c < l.C; ++c) {
+    coefficients[1][c] /= double(count);                                     // mean_dy
+    coefficients[2][c] *= invstd_d[c] * invstd_d[c] / double(count);         // xmu_coef
+    coefficients[3][c] *= w[c];                                              // scale
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_backward_elemt",
+                                  [&] { backward_elemt_kernel<scalar_t>(dy, x, l, dx, coefficients); });
+  return dx;
+}
+
+}  // namespace syncbn::cpu

@@ -1,0 +1,188 @@
+// Shared machinery of the CPU kernels: the two memory layouts, vectors in the accumulation
+// type, Welford/Chan moments, and how a channel's values are cut into pieces for threads.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace syncbn::cpu {
+
+using at::vec::Vectorized;
+
+// Elements per task below which at::parallel_for would cost more than it saves.
+constexpr int64_t kGrainElements = 32768;
+// At most this many values per float accumulator lane before its partial is merged in double:
+// bounds the float32 rounding error of a lane's sum or running mean.
+constexpr int64_t kMaxLaneUpdates = 256;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// x seen as one of two layouts (both contiguous in memory):
+//  planar:      (N, C, S): each (n, c) is a run of S values (NCHW, NCDHW, (N, C, L));
+//  interleaved: (M, C):    each row holds one value of every channel (channels_last 2d/3d,
+//               (N, C), and planar with S == 1), M = N * S.
+struct Layout {
+  int64_t N, C, S;
+  bool interleaved;
+  int64_t rows() const { return N * S; }  // values per channel
+  int64_t numel() const { return N * C * S; }
+};
+
+// The layout of x, and x itself made contiguous (once) where its strides fit neither layout.
+inline std::pair<at::Tensor, Layout> as_layout(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 2, "syncbn: expected an input of rank >= 2, got ", x.dim());
+  const int64_t N = x.size(0), C = x.size(1);
+  const int64_t S = x.dim() > 2 ? x.numel() / std::max<int64_t>(N * C, 1) : 1;
+  if (x.dim() > 2 && x.is_contiguous() && S > 1) return {x, {N, C, S, false}};
+  if (x.dim() > 2 && !x.is_contiguous()) {
+    const auto format = x.suggest_memory_format();
+    if (format != at::MemoryFormat::Contiguous && x.is_contiguous(format)) return {x, {N, C, S, true}};
+    if (S > 1) return {x.contiguous(), {N, C, S, false}};
+  }
+  return {x.contiguous(), {N, C, S, true}};
+}
+
+// `other` laid out exactly as `x` (dy against the saved input).
+inline at::Tensor like_layout(const at::Tensor& other, const at::Tensor& x) {
+  TORCH_CHECK(other.sizes() == x.sizes(), "syncbn: grad_output has shape ", other.sizes(),
+              " but the input has shape ", x.sizes());
+  const auto format = x.suggest_memory_format();
+  if (x.is_contiguous(format) && other.is_contiguous(format)) return other;
+  auto out = at::empty_like(x, other.options());
+  out.copy_(other);
+  return out;
+}
+
+// Loads and stores of scalar_t values as vectors of the accumulation type: one vector for
+// float and double, two float vectors for bfloat16 and float16.
+template <typename scalar_t>
+struct AccVec {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Vec = Vectorized<acc_t>;
+  static constexpr int kVecs = std::is_same_v<scalar_t, acc_t> ? 1 : 2;
+  static constexpr int64_t kWidth = kVecs * Vec::size();
+  using Pack = std::array<Vec, kVecs>;
+
+  static Pack load(const scalar_t* p) {
+    if constexpr (kVecs == 1) {
+      return {Vec::loadu(p)};
+    } else {
+      Pack v;
+      at::vec::load_to_float(p, v[0], v[1]);
+      return v;
+    }
+  }
+  // The first `count` (< kWidth) values, the rest zero.
+  static Pack load_partial(const scalar_t* p, int64_t count) {
+    std::array<scalar_t, kWidth> buffer{};
+    std::copy(p, p + count, buffer.data());
+    return load(buffer.data());
+  }
+  static void store(scalar_t* p, const Pack& v) {
+    if constexpr (kVecs == 1) {
+      v[0].store(p);
+    } else {
+      at::vec::convert_from_float<scalar_t>(v[0], v[1]).store(p);
+    }
+  }
+  static void store_partial(scalar_t* p, const Pack& v, int64_t count) {
+    std::array<scalar_t, kWidth> buffer;
+    store(buffer.data(), v);
+    std::copy(buffer.data(), buffer.data() + count, p);
+  }
+  // A per-channel parameter array (padded to a multiple of kWidth) at channel c.
+  static Pack load_params(const acc_t* p) {
+    Pack v;
+    for (int k = 0; k < kVecs; ++k) v[k] = Vec::loadu(p + k * Vec::size());
+    return v;
+  }
+  static Pack broadcast(acc_t value) {
+    Pack v;
+    v.fill(Vec(value));
+    return v;
+  }
+};
+
+// Interleaved layout: fn(c, packs of rows at c...) for every whole vector of channels of one
+// row (of each of `rows`), then for the remaining channels zero-padded to a whole vector.
+template <typename scalar_t, typename Fn, typename... Rows>
+inline void for_each_channel_vector(int64_t C, const Fn& fn, const Rows*... rows) {
+  using A = AccVec<scalar_t>;
+  int64_t c = 0;
+  for (; c + A::kWidth <= C; c += A::kWidth) fn(c, A::load(rows + c)...);
+  if (c < C) fn(c, A::load_partial(rows + c, C - c)...);
+}
+
+// Count, mean and M2 (sum of squared deviations from the mean) of a set of values.
+struct Moments {
+  double n = 0, mean = 0, m2 = 0;
+
+  // Chan et al.'s pairwise merge: never squares anything but deviations from a mean.
+  void merge(const Moments& other) {
+    if (other.n == 0) return;
+    const double total = n + other.n;
+    const double delta = other.mean - mean;
+    mean += delta * (other.n / total);
+    m2 += other.m2 + delta * delta * (n * other.n / total);
+    n = total;
+  }
+};
+
+// How the values of one channel are cut into `count` pieces of `length` values (the last may
+// be shorter): enough pieces to keep every thread busy and no lane over kMaxLaneUpdates.
+struct Pieces {
+  int64_t count, length;
+
+  static Pieces of(int64_t values, int64_t max_length, int64_t min_count) {
+    int64_t count = std::max(ceil_div(values, std::max<int64_t>(max_length, 1)), min_count);
+    count = std::max<int64_t>(std::min(count, values), 1);
+    return {count, std::max<int64_t>(ceil_div(values, count), 1)};
+  }
+  int64_t begin(int64_t p) const { return p * length; }
+  int64_t end(int64_t p, int64_t values) const { return std::min(values, (p + 1) * length); }
+};
+
+// Planar layout: calls fn(offset, length) for each run of contiguous values of channel c
+// among the channel's values [begin, end) (value i is sample i / S, position i % S).
+template <typename Fn>
+inline void for_each_run(const Layout& l, int64_t c, int64_t begin, int64_t end, const Fn& fn) {
+  while (begin < end) {
+    const int64_t n = begin / l.S, s = begin % l.S;
+    const int64_t length = std::min(l.S - s, end - begin);
+    fn((n * l.C + c) * l.S + s, length);
+    begin += length;
+  }
+}
+
+// A (C,) tensor as a vector of acc_t padded with zeros to a multiple of `width` (so that
+// interleaved kernels may load whole vectors of parameters at any channel).
+template <typename acc_t>
+inline std::vector<acc_t> padded_params(int64_t C, int64_t width) {
+  return std::vector<acc_t>(ceil_div(std::max<int64_t>(C, 1), width) * width, acc_t(0));
+}
+
+template <typename acc_t>
+inline const acc_t* data_as(const at::Tensor& t, at::Tensor& keep) {
+  keep = t.to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
+  return keep.data_ptr<acc_t>();
+}
+
+inline void check_input(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.device().is_cpu(), "syncbn.", op, ": expected a CPU tensor, got ", x.device());
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()) &&
+                  (x.scalar_type() == at::kDouble || x.scalar_type() == at::kFloat ||
+                   x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf),
+              "syncbn.", op, ": expected float64, float32, bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 2, "syncbn.", op, ": expected an input of rank >= 2, got ", x.dim());
+}
+
+}  // namespace syncbn::cpu

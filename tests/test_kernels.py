@@ -1,0 +1,237 @@
+"""The compiled CPU kernels (src/cpu) against the pure-PyTorch reference (functions/reference.py),
+op by op, over shapes, layouts and dtypes chosen to hit every code path: C = 1 and C = 65,
+one value per channel, an empty batch, sizes that are no multiple of the vector width, rows long
+enough to be cut into several pieces and threads; plus hypothesis-generated shapes, gradcheck
+through the compiled path, and how the backend is chosen."""
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from functions import backend, sync_batch_norm
+from functions import reference as ref
+from functions.sync_batchnorm import memory_format_of
+
+COMPILED = backend.COMPILED
+needs_compiled = pytest.mark.skipif(COMPILED is None, reason="compiled kernels not built or SYNCBN_KERNELS=reference")
+
+# (shape, memory format): planar, interleaved and the odd ones
+LAYOUTS = [
+    ((4, 3, 5, 7), torch.contiguous_format),
+    ((4, 3, 5, 7), torch.channels_last),
+    ((5, 65), torch.contiguous_format),  # rank 2: interleaved, C not a multiple of any width
+    ((3, 65, 2, 3), torch.channels_last),
+    ((2, 1, 1000), torch.contiguous_format),  # C = 1
+    ((1000, 1), torch.contiguous_format),
+    ((1, 5, 1, 1), torch.contiguous_format),  # one value per channel
+    ((6, 16, 1, 1), torch.contiguous_format),  # planar with S = 1 is interleaved
+    ((0, 4, 3, 3), torch.contiguous_format),  # empty local batch
+    ((0, 4, 3, 3), torch.channels_last),
+    ((2, 3, 4, 5, 6), torch.channels_last_3d),
+    ((2, 3, 4, 5, 6), torch.contiguous_format),
+    ((3, 17, 33), torch.contiguous_format),  # rank 3 (N, C, L)
+    ((2, 3, 4, 5, 2, 3), torch.contiguous_format),  # rank 6
+    ((3, 2, 70000), torch.contiguous_format),  # several pieces per channel
+    ((5000, 3), torch.contiguous_format),  # several pieces of rows
+    ((4, 20, 40, 40), torch.channels_last),
+]
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    """Elementwise results: the reference rounds once to dtype, so do we (bf16/half: 1 ulp)."""
+    return {
+        torch.float64: dict(atol=1e-12, rtol=1e-12),
+        torch.float32: dict(atol=1e-5, rtol=1e-5),
+        torch.bfloat16: dict(atol=2e-2, rtol=1e-2),
+        torch.float16: dict(atol=2e-3, rtol=1e-3),
+    }[dtype]
+
+
+def sum_tolerance(dtype: torch.dtype, count: int) -> dict:
+    """Sums of `count` values: float64 near exact, float32 accumulation otherwise."""
+    scale = 1e-12 if dtype == torch.float64 else 1e-5
+    return dict(atol=scale * max(count, 1), rtol=scale * 10)
+
+
+def make_input(shape, memory_format, dtype, seed=0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=generator, dtype=torch.float64) * 3 + 5
+    return x.to(dtype).contiguous(memory_format=memory_format)
+
+
+def per_channel_args(x: torch.Tensor) -> tuple:
+    """mean and invstd in the accumulation dtype, float32 weight and bias (as under autocast)."""
+    C, acc = x.size(1), ref.accumulation_dtype(x.dtype)
+    generator = torch.Generator().manual_seed(1)
+    mean = (torch.randn(C, generator=generator, dtype=torch.float64) + 5).to(acc)
+    invstd = (torch.rand(C, generator=generator, dtype=torch.float64) + 0.5).to(acc)
+    weight = torch.randn(C, generator=generator)
+    bias = torch.randn(C, generator=generator)
+    return mean, invstd, weight, bias
+
+
+def assert_all_ops_match(x: torch.Tensor) -> None:
+    ops, dtype, count = COMPILED.cpu, x.dtype, x.numel() // x.size(1)
+    # outputs keep x's layout where it is one (NCHW or channels_last), else are contiguous
+    stride = x.contiguous(memory_format=memory_format_of(x)).stride()
+    n, mean, m2 = ops.local_stats(x)
+    n_ref, mean_ref, m2_ref = ref.local_stats(x)
+    assert n == n_ref and mean.dtype == m2.dtype == torch.float64
+    stats_tol = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mean, mean_ref, **stats_tol)
+    torch.testing.assert_close(m2, m2_ref, atol=stats_tol["atol"] * max(count, 1), rtol=stats_tol["rtol"])
+
+    mean, invstd, weight, bias = per_channel_args(x)
+    for w, b in [(weight, bias), (None, None)]:
+        y = ops.elemt_forward(x, mean, invstd, w, b)
+        assert y.dtype == dtype and y.shape == x.shape and y.stride() == stride
+        torch.testing.assert_close(y, ref.elemt_forward(x, mean, invstd, w, b), **tolerance(dtype))
+
+    dy = make_input(x.shape, torch.contiguous_format, dtype, seed=2)  # a layout other than x's
+    sum_dy, sum_dy_xmu = ops.backward_reduce(dy, x, mean)
+    sum_dy_ref, sum_dy_xmu_ref = ref.backward_reduce(dy, x, mean)
+    assert sum_dy.dtype == sum_dy_xmu.dtype == mean.dtype
+    torch.testing.assert_close(sum_dy, sum_dy_ref, **sum_tolerance(dtype, count))
+    torch.testing.assert_close(sum_dy_xmu, sum_dy_xmu_ref, **sum_tolerance(dtype, 10 * count))
+
+    total = max(count, 1)
+    for w in [weight, None]:
+        dx = ops.backward_elemt(dy, x, mean, invstd, w, sum_dy_ref, sum_dy_xmu_ref, total)
+        assert dx.dtype == dtype and dx.stride() == stride
+        expected = ref.backward_elemt(dy, x, mean, invstd, w, sum_dy_ref, sum_dy_xmu_ref, total)
+        torch.testing.assert_close(dx, expected, **tolerance(dtype))
+
+
+@needs_compiled
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,memory_format", LAYOUTS, ids=lambda v: str(v).replace("torch.", ""))
+def test_each_op_matches_reference(shape, memory_format, dtype) -> None:
+    assert_all_ops_match(make_input(shape, memory_format, dtype))
+
+
+@needs_compiled
+def test_strides_of_neither_layout_are_made_contiguous_once() -> None:
+    x = make_input((6, 5, 8, 7), torch.contiguous_format, torch.float64)
+    for view in [x[:, :, ::2], x.transpose(2, 3), x.permute(0, 2, 3, 1)[..., :3].permute(0, 3, 1, 2)]:
+        assert not view.is_contiguous()
+        assert_all_ops_match(view)
+
+
+@needs_compiled
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 9), min_size=2, max_size=5),
+    channels_last=st.booleans(),
+    dtype=st.sampled_from([torch.float64, torch.float32]),
+)
+def test_hypothesis_shapes_match_reference(sizes, channels_last, dtype) -> None:
+    x = make_input(tuple(sizes), torch.contiguous_format, dtype)
+    if channels_last and x.dim() in (4, 5):
+        x = x.contiguous(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+    assert_all_ops_match(x)
+
+
+@needs_compiled
+def test_merge_stats_matches_reference() -> None:
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.tensor([3.0, 0.0, 7.0, 1.0], dtype=torch.float64)
+    means = torch.randn(4, 6, generator=generator, dtype=torch.float64) * 100
+    m2s = torch.rand(4, 6, generator=generator, dtype=torch.float64) * counts.unsqueeze(1)
+    means[1], m2s[1] = 0, 0  # an empty part carries zeros
+    for got, expected in zip(COMPILED.cpu.merge_stats(counts, means, m2s), ref.merge_stats(counts, means, m2s)):
+        torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-13)
+
+
+@needs_compiled
+@pytest.mark.parametrize("shape,memory_format", [((2000, 3), torch.contiguous_format), ((8, 4, 30, 30), torch.channels_last), ((3, 2, 70000), torch.contiguous_format)])
+def test_float32_statistics_of_a_large_mean_are_precise(shape, memory_format) -> None:
+    # mean 1e4, std 1: the pivot shift keeps float32 Welford lanes as precise as float64 sums
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) + 1e4).contiguous(memory_format=memory_format)
+    count, mean, m2 = COMPILED.cpu.local_stats(x)
+    truth = x.double()
+    dims = ref.reduction_dims(x)
+    torch.testing.assert_close(mean, truth.mean(dims), rtol=1e-9, atol=0)
+    torch.testing.assert_close(m2 / count, truth.var(dims, correction=0), rtol=1e-6, atol=0)
+
+
+@needs_compiled
+def test_non_finite_values_propagate_like_torch() -> None:
+    x = torch.randn(8, 4, 3, 3, dtype=torch.float64)
+    x[0, 0, 0, 0] = float("nan")
+    x[0, 1, 0, 0] = float("inf")  # the channel's first value: no finite pivot
+    x[5, 2, 1, 1] = float("-inf")
+    for layout in [torch.contiguous_format, torch.channels_last]:
+        _, mean, m2 = COMPILED.cpu.local_stats(x.contiguous(memory_format=layout))
+        _, mean_ref, m2_ref = ref.local_stats(x)
+        torch.testing.assert_close(mean, mean_ref, equal_nan=True)
+        assert mean[1] == float("inf") and mean[2] == float("-inf") and m2[:3].isnan().all()
+
+
+@needs_compiled
+def test_results_do_not_depend_on_the_thread_count() -> None:
+    x = make_input((4, 20, 40, 40), torch.channels_last, torch.float64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = COMPILED.cpu.local_stats(x)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one[1:], COMPILED.cpu.local_stats(x)[1:]):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-12)
+
+
+@needs_compiled
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_gradcheck_through_compiled_kernels(memory_format) -> None:
+    assert backend.kernels_for(torch.device("cpu")).name.startswith("compiled-cpu")
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, 3, 2, dtype=torch.float64, generator=generator).contiguous(memory_format=memory_format)
+    weight = torch.rand(4, dtype=torch.float64, generator=generator) + 0.5
+    bias = torch.randn(4, dtype=torch.float64, generator=generator)
+    inputs = tuple(t.requires_grad_() for t in (x, weight, bias))
+    assert torch.autograd.gradcheck(lambda x, w, b: sync_batch_norm(x, None, None, w, b), inputs)
+
+
+@needs_compiled
+@pytest.mark.parametrize("call", [
+    lambda ops: ops.local_stats(torch.ones(4, 3, dtype=torch.int64)),
+    lambda ops: ops.local_stats(torch.ones(4)),
+    lambda ops: ops.elemt_forward(torch.ones(4, 3), torch.zeros(2), torch.ones(3), None, None),
+    lambda ops: ops.backward_reduce(torch.ones(4, 3), torch.ones(4, 2), torch.zeros(2)),
+    lambda ops: ops.backward_reduce(torch.ones(4, 3, dtype=torch.float64), torch.ones(4, 3), torch.zeros(3)),
+], ids=["integer dtype", "rank 1", "wrong channel count", "dy shape", "dy dtype"])
+def test_bad_arguments_raise(call) -> None:
+    with pytest.raises(RuntimeError, match="syncbn"):
+        call(COMPILED.cpu)
+
+
+def test_cpu_backend_is_compiled_unless_the_reference_is_forced() -> None:
+    if backend.FORCE_REFERENCE:
+        assert backend.backend_info()["cpu"] == "reference"
+        assert backend.kernels_for(torch.device("cpu")) is backend.REFERENCE
+        return
+    assert COMPILED is not None, f"the compiled CPU kernels are not built: {backend.BUILD_HINT}"
+    assert COMPILED.cpu.capability in backend.usable_cpu_capabilities()
+    assert backend.backend_info()["cpu"] == f"compiled-cpu-{COMPILED.cpu.capability.lower()}"
+
+
+def test_missing_extension_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_import = importlib.import_module
+
+    def no_extension(name: str, package: str | None = None):
+        if name.startswith("._C_"):
+            raise ImportError(f"no module named {name}")
+        return real_import(name, package)
+
+    monkeypatch.setattr(backend, "FORCE_REFERENCE", False)
+    monkeypatch.setattr(importlib, "import_module", no_extension)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert backend.load_compiled() is None
+    assert len(caught) == 1 and "make_ext.sh" in str(caught[0].message)
