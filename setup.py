@@ -14,6 +14,7 @@ Build in place with ``./make_ext.sh``, or install with ``pip install --no-build-
 from __future__ import annotations
 
 import os
+import sys
 from glob import glob
 
 from setuptools import setup
@@ -40,9 +41,16 @@ def cpu_capabilities() -> list[str]:
     return sorted((names & CPU_CAPABILITY_FLAGS.keys()) or {"DEFAULT"})
 
 
+def openmp_flags() -> list[str]:
+    """-fopenmp where torch runs at::parallel_for on OpenMP (Linux wheels): without it, ATen's
+    headers compile at::parallel_for in the extension into a serial loop. The extension then
+    uses the libgomp that torch loaded (same soname), so there is one OpenMP thread pool."""
+    return ["-fopenmp"] if torch.backends.openmp.is_available() and sys.platform.startswith("linux") else []
+
+
 def cpu_compile_args(capability: str) -> list[str]:
     macros = [] if capability == "DEFAULT" else [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
-    return ["-O3", *CPU_CAPABILITY_FLAGS[capability], *macros]
+    return ["-O3", *CPU_CAPABILITY_FLAGS[capability], *macros, *openmp_flags()]
 
 
 def sources(*patterns: str) -> list[str]:
@@ -56,6 +64,7 @@ def extension(capability: str) -> CppExtension:
         sources=sources("src/bindings.cpp", "src/cpu/*.cpp"),
         include_dirs=[os.path.join(ROOT, "src")],
         extra_compile_args={"cxx": cpu_compile_args(capability)},
+        extra_link_args=openmp_flags(),
     )
 
 

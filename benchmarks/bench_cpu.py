@@ -20,6 +20,7 @@ import datetime
 import gc
 import os
 import platform
+import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -98,15 +99,24 @@ def _status_kb(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def return_large_blocks_to_the_os() -> bool:
-    """Make glibc serve every block over 128 KiB by mmap and unmap it when freed (a fixed
-    M_MMAP_THRESHOLD: no dynamic threshold that keeps freed tensors resident), so that the
-    resident set follows the tensors alive. Changes allocation costs: timings come before."""
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+
+
+def _mallopt(*settings: tuple[int, int]) -> bool:
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-3, 128 * 1024)) and libc.malloc_trim(0) >= 0  # -3: M_MMAP_THRESHOLD
     except OSError:
         return False
+    return all(libc.mallopt(param, value) == 1 for param, value in settings) and libc.malloc_trim(0) >= 0
+
+
+def keep_freed_blocks() -> bool:
+    """Timing: glibc keeps freed blocks up to 32 MiB in its heap and reuses them (fixed
+    M_MMAP_THRESHOLD and M_TRIM_THRESHOLD, much as jemalloc or tcmalloc, which PyTorch's CPU
+    performance guide recommends, behave). With glibc's dynamic defaults, whether a step's
+    fresh output is page-faulted in again (~10 ms per 25 MB on this VM) depends on the order
+    of frees, which made medians swing by 2x between runs of the same case."""
+    return _mallopt((M_MMAP_THRESHOLD, 32 * 2**20), (M_TRIM_THRESHOLD, 2**30))
 
 
 def peak_memory_mb(fn: Callable[[], object]) -> float | None:
@@ -131,8 +141,8 @@ def copy_bandwidth_gbs(min_run_time: float) -> float:
     return 2 * x.numel() * x.element_size() / (ms * 1e-3) / 1e9
 
 
-def run(quick: bool, min_run_time: float) -> tuple[list[str], list[str]]:
-    time_rows = []
+def time_rows(quick: bool, min_run_time: float) -> list[str]:
+    rows = []
     for case in cases(quick):
         x = case.input()
         dy = torch.randn_like(x)
@@ -145,10 +155,15 @@ def run(quick: bool, min_run_time: float) -> tuple[list[str], list[str]]:
             base = times["torch", what]
             row.append(f"{base:.2f}")
             row += [f"{times[n, what]:.2f} ({times[n, what] / base:.2f}x)" for n in ("ours x1", "threads x2", "threads x4")]
-        time_rows.append("| " + " | ".join(row) + " |")
-        print(time_rows[-1], flush=True)
-    memory_rows = []
-    exact = return_large_blocks_to_the_os()
+        rows.append("| " + " | ".join(row) + " |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+def memory_rows(quick: bool) -> list[str]:
+    """One row per case, measured in this process: run it where freed blocks go back to the OS
+    (see measure_memory_in_a_fresh_process)."""
+    rows = []
     for case in cases(quick):
         x = case.input()
         dy = torch.randn_like(x)
@@ -156,13 +171,23 @@ def run(quick: bool, min_run_time: float) -> tuple[list[str], list[str]]:
         for model in layers(case).values():
             step = step_functions(model, x, dy)["forward+backward"]
             step()
-            peak = peak_memory_mb(step) if exact else None
+            peak = peak_memory_mb(step)
             row.append("n/a" if peak is None else f"{peak:.0f}")
-        memory_rows.append("| " + " | ".join(row) + " |")
-    return time_rows, memory_rows
+        rows.append("| " + " | ".join(row) + " |")
+    return rows
 
 
-def report(time_rows: list[str], memory_rows: list[str], bandwidth: float, min_run_time: float) -> str:
+def measure_memory_in_a_fresh_process(quick: bool) -> list[str]:
+    """Memory rows from a fresh process whose glibc serves every block over 128 KiB by mmap and
+    unmaps it when freed, so that the resident set follows the tensors alive (in this process,
+    the timing's allocator settings keep freed blocks resident)."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
+    command = [sys.executable, os.path.abspath(__file__), "--memory-rows", *(["--quick"] if quick else [])]
+    out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.startswith("| ")]
+
+
+def report(times: list[str], memory: list[str], bandwidth: float, min_run_time: float, allocator: str) -> str:
     cpu = platform.processor() or platform.machine()
     return "\n".join([
         BEGIN,
@@ -172,7 +197,8 @@ def report(time_rows: list[str], memory_rows: list[str], bandwidth: float, min_r
         f"torch {torch.__version__}, Python {platform.python_version()}; backends {backend_info()}; "
         f"{datetime.date.today().isoformat()}. Copy bandwidth (32x64x56x56 float32, read + write): "
         f"{bandwidth:.1f} GB/s. Medians of `torch.utils.benchmark` blocked_autorange "
-        f"(min_run_time {min_run_time} s), in ms; ratios against `nn.BatchNorm*` in the same run.",
+        f"(min_run_time {min_run_time} s), in ms; ratios against `nn.BatchNorm*` in the same run; "
+        f"{allocator}.",
         "",
         "`ours x1` is our layer on one replica (the synchronized Function through the compiled "
         "kernels); `threads xR` is `ThreadedDataParallel` over R CPU replicas on the same total "
@@ -182,14 +208,14 @@ def report(time_rows: list[str], memory_rows: list[str], bandwidth: float, min_r
         "| case | torch fwd | ours x1 fwd | threads x2 fwd | threads x4 fwd "
         "| torch fwd+bwd | ours x1 fwd+bwd | threads x2 fwd+bwd | threads x4 fwd+bwd |",
         "|---|---|---|---|---|---|---|---|---|",
-        *time_rows,
+        *times,
         "",
         "Peak memory of one forward + backward: how far the resident set rose above its level "
         "before the step (MB; the input and dy, allocated before, are not counted):",
         "",
         "| case | input | torch | ours x1 | threads x2 | threads x4 |",
         "|---|---|---|---|---|---|",
-        *memory_rows,
+        *memory,
         END,
     ])
 
@@ -209,11 +235,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only (32, 64, 56, 56) float32")
     parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per measurement")
     parser.add_argument("--no-write", action="store_true", help="print, do not touch RESULTS.md")
+    parser.add_argument("--memory-rows", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.memory_rows:
+        print("\n".join(memory_rows(args.quick)))
+        return
     torch.manual_seed(0)
+    allocator = "glibc malloc, freed blocks kept (see keep_freed_blocks)" if keep_freed_blocks() else "default allocator"
     bandwidth = copy_bandwidth_gbs(args.min_run_time)
-    time_rows, memory_rows = run(args.quick, args.min_run_time)
-    section = report(time_rows, memory_rows, bandwidth, args.min_run_time)
+    times = time_rows(args.quick, args.min_run_time)
+    section = report(times, measure_memory_in_a_fresh_process(args.quick), bandwidth, args.min_run_time, allocator)
     print(section)
     if not args.no_write:
         write_results(section)

@@ -14,8 +14,9 @@
 namespace syncbn::cpu {
 namespace {
 
-// Welford over one channel's values, one running (mean, M2) per vector lane; all lanes have
-// seen the same number of values. Values left over by whole vectors go to a double Welford.
+// Welford over one channel's values, one running (mean, M2) per vector lane; the lanes of a
+// vector have seen the same number of values. Values left over by whole vectors go to a
+// single float vector where a whole one is left (bfloat16, float16), then to a double Welford.
 template <typename scalar_t>
 class LaneWelford {
   using A = AccVec<scalar_t>;
@@ -32,14 +33,15 @@ class LaneWelford {
     const scalar_t* p = x_ + offset;
     int64_t i = 0;
     for (; i + A::kWidth <= length; i += A::kWidth) {
-      ++lane_n_;
-      const Vec inv(acc_t(1) / acc_t(lane_n_));
       const auto v = A::load(p + i);
-      for (int k = 0; k < A::kVecs; ++k) {
-        const Vec d = v[k] - pivot_vec_;
-        const Vec delta = d - mean_[k];
-        mean_[k] = at::vec::fmadd(delta, inv, mean_[k]);
-        m2_[k] = at::vec::fmadd(delta, d - mean_[k], m2_[k]);
+      for (int k = 0; k < A::kVecs; ++k) update(k, v[k]);
+    }
+    if constexpr (A::kVecs > 1) {
+      if (i + Vec::size() <= length) {
+        Vec v;
+        at::vec::load_to_float(p + i, v);
+        update(0, v);
+        i += Vec::size();
       }
     }
     for (; i < length; ++i) {
@@ -51,24 +53,32 @@ class LaneWelford {
   // Moments of the values seen, shifted by the pivot.
   Moments result() const {
     Moments total = tail_;
-    if (lane_n_ == 0) return total;
-    std::array<acc_t, A::kWidth> means, m2s;
+    std::array<acc_t, Vec::size()> means, m2s;
     for (int k = 0; k < A::kVecs; ++k) {
-      mean_[k].store(means.data() + k * Vec::size());
-      m2_[k].store(m2s.data() + k * Vec::size());
-    }
-    for (int64_t lane = 0; lane < A::kWidth; ++lane) {
-      total.merge({double(lane_n_), double(means[lane]), double(m2s[lane])});
+      if (lane_n_[k] == 0) continue;
+      mean_[k].store(means.data());
+      m2_[k].store(m2s.data());
+      for (int64_t lane = 0; lane < Vec::size(); ++lane) {
+        total.merge({double(lane_n_[k]), double(means[lane]), double(m2s[lane])});
+      }
     }
     return total;
   }
 
  private:
+  void update(int k, const Vec& v) {
+    const Vec inv(acc_t(1) / acc_t(++lane_n_[k]));
+    const Vec d = v - pivot_vec_;
+    const Vec delta = d - mean_[k];
+    mean_[k] = at::vec::fmadd(delta, inv, mean_[k]);
+    m2_[k] = at::vec::fmadd(delta, d - mean_[k], m2_[k]);
+  }
+
   const scalar_t* x_;
   acc_t pivot_;
   Vec pivot_vec_;
   typename A::Pack mean_, m2_;
-  int64_t lane_n_ = 0;
+  std::array<int64_t, A::kVecs> lane_n_{};
   Moments tail_;
 };
 
@@ -141,9 +151,15 @@ class LaneGradSums {
     int64_t i = 0;
     for (; i + A::kWidth <= length; i += A::kWidth) {
       const auto g = A::load(dy + i), v = A::load(x + i);
-      for (int k = 0; k < A::kVecs; ++k) {
-        sum_dy_[k] = sum_dy_[k] + g[k];
-        sum_dy_xmu_[k] = at::vec::fmadd(g[k], v[k] - mean, sum_dy_xmu_[k]);
+      for (int k = 0; k < A::kVecs; ++k) update(k, g[k], v[k], mean);
+    }
+    if constexpr (A::kVecs > 1) {  // a whole float vector left (bfloat16, float16)
+      if (i + Vec::size() <= length) {
+        Vec g, v;
+        at::vec::load_to_float(dy + i, g);
+        at::vec::load_to_float(x + i, v);
+        update(0, g, v, mean);
+        i += Vec::size();
       }
     }
     for (; i < length; ++i) {
@@ -162,6 +178,11 @@ class LaneGradSums {
   }
 
  private:
+  void update(int k, const Vec& g, const Vec& v, const Vec& mean) {
+    sum_dy_[k] = sum_dy_[k] + g;
+    sum_dy_xmu_[k] = at::vec::fmadd(g, v - mean, sum_dy_xmu_[k]);
+  }
+
   const scalar_t* dy_;
   const scalar_t* x_;
   acc_t mean_;
