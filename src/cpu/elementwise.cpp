@@ -65,26 +65,13 @@ void map_per_channel(const Layout& l, const std::array<const scalar_t*, kIn>& in
   });
 }
 
-// A (C,) tensor (or None) as doubles; `fill` where it is absent.
-std::vector<double> per_channel_doubles(const std::optional<at::Tensor>& t, int64_t C, double fill) {
-  std::vector<double> out(C, fill);
-  if (t.has_value() && t->defined()) {
-    TORCH_CHECK(t->numel() == C, "syncbn: expected ", C, " per-channel values, got ", t->numel());
-    const auto d = t->to(at::kDouble).contiguous();
-    std::copy_n(d.const_data_ptr<double>(), C, out.data());
-  }
-  return out;
-}
-
 template <typename scalar_t>
 void elemt_forward_kernel(const at::Tensor& x, const Layout& l, at::Tensor& y, const std::vector<double>& scale,
                           const std::vector<double>& shift) {
   using A = AccVec<scalar_t>;
   using acc_t = typename A::acc_t;
   using Vec = typename A::Vec;
-  auto scale_acc = padded_params<acc_t>(l.C, A::kWidth), shift_acc = scale_acc;
-  std::copy(scale.begin(), scale.end(), scale_acc.begin());
-  std::copy(shift.begin(), shift.end(), shift_acc.begin());
+  const auto scale_acc = padded_params<acc_t>(scale, A::kWidth), shift_acc = padded_params<acc_t>(shift, A::kWidth);
   map_per_channel<scalar_t, 1, 2>(
       l, {x.const_data_ptr<scalar_t>()}, y.data_ptr<scalar_t>(), {scale_acc.data(), shift_acc.data()},
       [](const std::array<Vec, 1>& v, const std::array<Vec, 2>& p) { return at::vec::fmadd(v[0], p[0], p[1]); });
@@ -97,10 +84,7 @@ void backward_elemt_kernel(const at::Tensor& dy, const at::Tensor& x, const Layo
   using acc_t = typename A::acc_t;
   using Vec = typename A::Vec;
   std::array<std::vector<acc_t>, 4> acc;
-  for (size_t j = 0; j < 4; ++j) {
-    acc[j] = padded_params<acc_t>(l.C, A::kWidth);
-    std::copy(coefficients[j].begin(), coefficients[j].end(), acc[j].begin());
-  }
+  for (size_t j = 0; j < 4; ++j) acc[j] = padded_params<acc_t>(coefficients[j], A::kWidth);
   // params: mean, mean_dy, xmu_coef, scale
   map_per_channel<scalar_t, 2, 4>(
       l, {dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>()}, dx.data_ptr<scalar_t>(),

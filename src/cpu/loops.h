@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -163,17 +164,30 @@ inline void for_each_run(const Layout& l, int64_t c, int64_t begin, int64_t end,
   }
 }
 
-// A (C,) tensor as a vector of acc_t padded with zeros to a multiple of `width` (so that
-// interleaved kernels may load whole vectors of parameters at any channel).
+// A vector of acc_t of at least C zeros, padded to a multiple of `width` (so that interleaved
+// kernels may load whole vectors of parameters or accumulators at any channel).
 template <typename acc_t>
 inline std::vector<acc_t> padded_params(int64_t C, int64_t width) {
   return std::vector<acc_t>(ceil_div(std::max<int64_t>(C, 1), width) * width, acc_t(0));
 }
 
+// Per-channel values rounded to acc_t, padded as above.
 template <typename acc_t>
-inline const acc_t* data_as(const at::Tensor& t, at::Tensor& keep) {
-  keep = t.to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
-  return keep.data_ptr<acc_t>();
+inline std::vector<acc_t> padded_params(const std::vector<double>& values, int64_t width) {
+  auto out = padded_params<acc_t>(static_cast<int64_t>(values.size()), width);
+  std::copy(values.begin(), values.end(), out.begin());
+  return out;
+}
+
+// A (C,) tensor (or None) as doubles; `fill` where it is absent.
+inline std::vector<double> per_channel_doubles(const std::optional<at::Tensor>& t, int64_t C, double fill) {
+  std::vector<double> out(C, fill);
+  if (t.has_value() && t->defined()) {
+    TORCH_CHECK(t->numel() == C, "syncbn: expected ", C, " per-channel values, got ", t->numel());
+    const auto d = t->to(at::kDouble).contiguous();
+    std::copy_n(d.const_data_ptr<double>(), C, out.data());
+  }
+  return out;
 }
 
 inline void check_input(const at::Tensor& x, const char* op) {

@@ -318,9 +318,7 @@ void backward_reduce_kernel(const at::Tensor& dy, const at::Tensor& x, const Lay
   using acc_t = typename A::acc_t;
   const scalar_t* g = dy.const_data_ptr<scalar_t>();
   const scalar_t* v = x.const_data_ptr<scalar_t>();
-  auto means = padded_params<acc_t>(l.C, A::kWidth);
-  at::Tensor keep;
-  std::copy_n(data_as<acc_t>(mean, keep), l.C, means.data());
+  const auto means = padded_params<acc_t>(per_channel_doubles(mean, l.C, 0.0), A::kWidth);
   std::vector<GradSums> sums;
   if (l.interleaved) {
     sums = reduce_interleaved<GradSums>(
