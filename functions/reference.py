@@ -1,4 +1,4 @@
-"""Pure-PyTorch reference kernels of the five batch-norm operations.
+"""Pure-PyTorch reference kernels of the batch-norm operations.
 
 Every compiled kernel (``src/``) has the same signature as its reference here and is tested
 against it. Shapes: ``x`` and ``dy`` are ``(N, C, *)`` in any layout; per-channel tensors are
@@ -72,16 +72,94 @@ def merge_stats(counts: Tensor, means: Tensor, m2s: Tensor) -> tuple[Tensor, Ten
     return mean, m2 / total
 
 
-def elemt_forward(
-    x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None
-) -> Tensor:
-    """y = x * scale + shift, scale = invstd * weight, shift = bias - mean * scale."""
+def activation(y: Tensor, negative_slope: float | None) -> Tensor:
+    """The fused activation: y where y > 0, else y * negative_slope; None: none (identity).
+    ReLU is ``negative_slope=0.0``, LeakyReLU its own slope."""
+    if negative_slope is None:
+        return y
+    return torch.where(y > 0, y, y * negative_slope)
+
+
+def activation_grad(dy: Tensor, pre: Tensor, negative_slope: float | None) -> Tensor:
+    """dy through the activation at its input ``pre``: dy where pre > 0, else dy * slope."""
+    if negative_slope is None:
+        return dy
+    return torch.where(pre > 0, dy, dy * negative_slope)
+
+
+def affine_params(
+    mean: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Per-channel (scale, shift) of y = x * scale + shift: scale = invstd * weight,
+    shift = bias - mean * scale, in invstd's dtype."""
     scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
     shift = -mean * scale
     if bias is not None:
         shift = shift + bias.to(invstd.dtype)
-    y = torch.addcmul(per_channel(shift, x), x.to(invstd.dtype), per_channel(scale, x))
-    return y.to(x.dtype)
+    return scale, shift
+
+
+def pre_activation(
+    x: Tensor, scale: Tensor, shift: Tensor, residual: Tensor | None
+) -> Tensor:
+    """x * scale + shift (+ residual), in scale's dtype: the activation's input."""
+    pre = torch.addcmul(per_channel(shift, x), x.to(scale.dtype), per_channel(scale, x))
+    return pre if residual is None else pre + residual.to(scale.dtype)
+
+
+def elemt_forward(
+    x: Tensor,
+    mean: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    residual: Tensor | None = None,
+    negative_slope: float | None = None,
+) -> Tensor:
+    """y = act(x * scale + shift + residual), scale = invstd * weight, shift = bias - mean * scale.
+
+    ``residual`` (None: 0) is shaped and typed as ``x``; ``act`` is :func:`activation` with
+    ``negative_slope`` (None: identity). Computed in invstd's dtype, rounded once to x's.
+    """
+    scale, shift = affine_params(mean, invstd, weight, bias)
+    return activation(pre_activation(x, scale, shift, residual), negative_slope).to(x.dtype)
+
+
+def backward_affine_act(
+    dy: Tensor,
+    x: Tensor,
+    mean: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    residual: Tensor | None,
+    negative_slope: float | None,
+    input_grad: bool,
+    residual_grad: bool,
+    sums: bool,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """Backward of :func:`elemt_forward` with mean and invstd held fixed (frozen statistics).
+
+    g = dy * act'(pre) with pre = x * scale + shift + residual recomputed as in the forward
+    (act'(pre) = 1 where pre > 0, else negative_slope; g = dy without an activation). Returns
+    ``(dx, g, sum_g, sum_g_xmu)``: dx = g * scale when ``input_grad``; g itself (the residual's
+    gradient, shaped and typed as dy) when ``residual_grad``; sum(g) and sum(g * (x - mean))
+    per channel, in mean's dtype, when ``sums``. What is not asked for is None. In frozen
+    training grad_weight = sum_g_xmu * invstd and grad_bias = sum_g; with batch statistics,
+    (g, sum_g, sum_g_xmu) stand in for (dy, sum_dy, sum_dy_xmu) of :func:`backward_elemt`.
+    """
+    acc = mean.dtype
+    scale, shift = affine_params(mean, invstd, weight, bias)
+    g = dy.to(acc)
+    if negative_slope is not None:
+        g = activation_grad(g, pre_activation(x, scale, shift, residual), negative_slope)
+    dx = (g * per_channel(scale, x)).to(x.dtype) if input_grad else None
+    sum_g = sum_g_xmu = None
+    if sums:
+        dims = reduction_dims(x)
+        sum_g = g.sum(dims)
+        sum_g_xmu = (g * (x.to(acc) - per_channel(mean, x))).sum(dims)
+    return dx, g.to(dy.dtype) if residual_grad else None, sum_g, sum_g_xmu
 
 
 def backward_reduce(dy: Tensor, x: Tensor, mean: Tensor) -> tuple[Tensor, Tensor]:
@@ -108,7 +186,7 @@ def backward_elemt(
     ``sum_dy`` and ``sum_dy_xmu`` are the sums over the whole batch and ``count`` is its N.
     """
     acc = mean.dtype
-    scale = invstd if weight is None else invstd * weight.to(acc)
+    scale, _ = affine_params(mean, invstd, weight, None)
     mean_dy = sum_dy / count
     xmu_coef = invstd.square() * sum_dy_xmu / count
     xmu = x.to(acc) - per_channel(mean, x)
