@@ -1,6 +1,6 @@
 """The backend seam: which kernels serve the five batch-norm operations on a device.
 
-A backend is a :class:`Kernels` record of five callables with the signatures of
+A backend is a :class:`Kernels` record of callables with the signatures of
 :mod:`functions.reference`. CPU tensors go to the compiled kernels (``src/cpu``, built into
 ``functions/_C_<capability>`` by ``setup.py``) where they are built for an instruction set that
 this CPU has, else to the pure-PyTorch reference (with one warning). On CUDA tensors the
@@ -29,7 +29,7 @@ BUILD_HINT = "build them with `./make_ext.sh` or `pip install --no-build-isolati
 
 @dataclass(frozen=True)
 class Kernels:
-    """The five operations of a synchronized batch norm, as served by one backend."""
+    """The operations of a synchronized batch norm, as served by one backend."""
 
     name: str
     local_stats: Callable[[Tensor], tuple[int, Tensor, Tensor]]
@@ -37,6 +37,7 @@ class Kernels:
     elemt_forward: Callable[..., Tensor]
     backward_reduce: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
     backward_elemt: Callable[..., Tensor]
+    backward_affine_act: Callable[..., tuple]
     serves_single_device: bool = False
     """Faster than torch's own batch norm, so it also serves a lone replica in training."""
 
@@ -48,6 +49,7 @@ REFERENCE = Kernels(
     elemt_forward=reference.elemt_forward,
     backward_reduce=reference.backward_reduce,
     backward_elemt=reference.backward_elemt,
+    backward_affine_act=reference.backward_affine_act,
 )
 
 
@@ -55,7 +57,9 @@ REFERENCE = Kernels(
 # guards them the same way).
 
 
-def _torch_cuda_elemt_forward(x, mean, invstd, weight, bias):
+def _torch_cuda_elemt_forward(x, mean, invstd, weight, bias, residual=None, negative_slope=None):
+    if residual is not None or negative_slope is not None:  # torch has no fused op for these
+        return reference.elemt_forward(x, mean, invstd, weight, bias, residual, negative_slope)
     if x.numel() == 0:
         return torch.empty_like(x)
     return torch.batch_norm_elemt(x, weight, bias, mean, invstd, 0.0)
@@ -88,6 +92,7 @@ TORCH_CUDA = Kernels(
     elemt_forward=_torch_cuda_elemt_forward,
     backward_reduce=_torch_cuda_backward_reduce,
     backward_elemt=_torch_cuda_backward_elemt,
+    backward_affine_act=reference.backward_affine_act,
 )
 
 
@@ -130,6 +135,7 @@ def compiled_kernels(ops: ModuleType, name: str) -> Kernels:
         elemt_forward=ops.elemt_forward,
         backward_reduce=ops.backward_reduce,
         backward_elemt=ops.backward_elemt,
+        backward_affine_act=ops.backward_affine_act,
     )
 
 

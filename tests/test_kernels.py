@@ -108,11 +108,59 @@ def assert_all_ops_match(x: torch.Tensor) -> None:
         torch.testing.assert_close(dx, expected, **tolerance(dtype))
 
 
+def clear_of_the_kink(x, mean, invstd, weight, bias, residual) -> torch.Tensor:
+    """Where the activation's input is not so near 0 that rounding may put it on either side
+    (there the activation's derivative jumps)."""
+    scale, shift = ref.affine_params(mean, invstd, weight, bias)
+    return ref.pre_activation(x, scale, shift, residual).abs() > 1e-2
+
+
+def assert_fused_ops_match(x: torch.Tensor) -> None:
+    """elemt_forward with a residual and an activation, and backward_affine_act with every
+    combination of outputs, against the reference."""
+    ops, dtype, count = COMPILED.cpu, x.dtype, x.numel() // x.size(1)
+    stride = x.contiguous(memory_format=memory_format_of(x)).stride()
+    mean, invstd, weight, bias = per_channel_args(x)
+    bias = bias - 5  # about half the values below 0
+    z = make_input(x.shape, torch.contiguous_format, dtype, seed=3) - 5  # another layout than x's
+    dy = make_input(x.shape, torch.contiguous_format, dtype, seed=2)
+    for residual, slope in [(z, 0.0), (None, 0.1), (z, None), (None, None)]:
+        args = (x, mean, invstd, weight, bias, residual, slope)
+        y = ops.elemt_forward(*args)
+        assert y.dtype == dtype and y.stride() == stride
+        torch.testing.assert_close(y, ref.elemt_forward(*args), **tolerance(dtype))
+        # no gradient where rounding may put the activation's input on either side of 0
+        dy_clear = dy * clear_of_the_kink(*args[:6]).to(dtype)
+        for input_grad, residual_grad, sums in [(True, True, True), (True, False, False), (False, True, True),
+                                                (False, False, True), (False, False, False)]:
+            flags = (input_grad, residual_grad, sums)
+            got = ops.backward_affine_act(dy_clear, *args, *flags)
+            expected = ref.backward_affine_act(dy_clear, *args, *flags)
+            for name, a, b in zip(["dx", "g"], got[:2], expected[:2]):
+                assert (a is None) == (b is None), name
+                if a is not None:
+                    assert a.dtype == dtype and a.stride() == stride, name
+                    torch.testing.assert_close(a, b, **tolerance(dtype))
+            if sums:
+                assert got[2].dtype == got[3].dtype == mean.dtype
+                torch.testing.assert_close(got[2], expected[2], **sum_tolerance(dtype, count))
+                torch.testing.assert_close(got[3], expected[3], **sum_tolerance(dtype, 10 * count))
+            else:
+                assert got[2] is None and got[3] is None
+
+
 @needs_compiled
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,memory_format", LAYOUTS, ids=lambda v: str(v).replace("torch.", ""))
 def test_each_op_matches_reference(shape, memory_format, dtype) -> None:
     assert_all_ops_match(make_input(shape, memory_format, dtype))
+
+
+@needs_compiled
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,memory_format", LAYOUTS, ids=lambda v: str(v).replace("torch.", ""))
+def test_fused_ops_match_reference(shape, memory_format, dtype) -> None:
+    assert_fused_ops_match(make_input(shape, memory_format, dtype))
 
 
 @needs_compiled

@@ -1,4 +1,4 @@
-// The five CPU operations of a synchronized batch norm. Signatures and semantics follow the
+// The CPU operations of a synchronized batch norm. Signatures and semantics follow the
 // pure-PyTorch reference in functions/reference.py, against which they are tested.
 #pragma once
 
@@ -16,9 +16,11 @@ std::tuple<int64_t, at::Tensor, at::Tensor> local_stats(const at::Tensor& input)
 std::tuple<at::Tensor, at::Tensor> merge_stats(const at::Tensor& counts, const at::Tensor& means,
                                                const at::Tensor& m2s);
 
-// y = x * scale + shift, scale = invstd * weight, shift = bias - mean * scale.
+// y = act(x * scale + shift + residual), scale = invstd * weight, shift = bias - mean * scale,
+// act(p) = p > 0 ? p : p * negative_slope (none without a slope; no residual: 0).
 at::Tensor elemt_forward(const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
-                         const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias);
+                         const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& residual, std::optional<double> negative_slope);
 
 // sum(dy) and sum(dy * (x - mean)) per channel, in mean's dtype.
 std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& grad_output, const at::Tensor& input,
@@ -28,6 +30,15 @@ std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& grad_output
 at::Tensor backward_elemt(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
                           const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
                           const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu, int64_t count);
+
+// The backward of elemt_forward with mean and invstd fixed, in one pass: g = dy * act'(pre)
+// (pre recomputed as in the forward), dx = g * scale, and per-channel sum(g) and
+// sum(g * (x - mean)) in mean's dtype; each only when asked for (else None).
+std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
+backward_affine_act(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
+                    const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
+                    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
+                    std::optional<double> negative_slope, bool input_grad, bool residual_grad, bool sums);
 
 // The instruction set the kernels were built for: "AVX512", "AVX2" or "DEFAULT".
 const char* capability();

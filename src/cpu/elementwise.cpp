@@ -1,4 +1,4 @@
-// Per-channel elementwise passes: the forward y = x * scale + shift and the backward
+// Per-channel elementwise passes: the forward y = act(x * scale + shift + z) and the backward
 // dx = (dy - mean_dy - (x - mean) * xmu_coef) * scale, each one pass over memory with its
 // per-channel coefficients computed once (in double, then rounded to the accumulation type).
 #include "batch_norm_cpu.h"
@@ -20,20 +20,14 @@ void map_per_channel(const Layout& l, const std::array<const scalar_t*, kIn>& in
   // kWidth values (or `count` < kWidth) starting at `offset`
   const auto apply = [&](int64_t offset, int64_t count, const ParamVecs& p) {
     std::array<typename A::Pack, kIn> v;
-    for (size_t j = 0; j < kIn; ++j) {
-      v[j] = count == A::kWidth ? A::load(in[j] + offset) : A::load_partial(in[j] + offset, count);
-    }
+    for (size_t j = 0; j < kIn; ++j) v[j] = A::load_n(in[j] + offset, count);
     typename A::Pack y;
     for (int k = 0; k < A::kVecs; ++k) {
       std::array<Vec, kIn> args;
       for (size_t j = 0; j < kIn; ++j) args[j] = v[j][k];
       y[k] = op(args, p[k]);
     }
-    if (count == A::kWidth) {
-      A::store(out + offset, y);
-    } else {
-      A::store_partial(out + offset, y, count);
-    }
+    A::store_n(out + offset, y, count);
   };
 
   if (l.interleaved) {
@@ -65,16 +59,26 @@ void map_per_channel(const Layout& l, const std::array<const scalar_t*, kIn>& in
   });
 }
 
-template <typename scalar_t>
-void elemt_forward_kernel(const at::Tensor& x, const Layout& l, at::Tensor& y, const std::vector<double>& scale,
-                          const std::vector<double>& shift) {
+// y = act(x * scale + shift [+ z]); z is read only with kResidual.
+template <typename scalar_t, bool kResidual, bool kActivation>
+void elemt_forward_kernel(const at::Tensor& x, const std::optional<at::Tensor>& z, const Layout& l, at::Tensor& y,
+                          const std::vector<double>& scale, const std::vector<double>& shift, double slope) {
   using A = AccVec<scalar_t>;
   using acc_t = typename A::acc_t;
   using Vec = typename A::Vec;
   const auto scale_acc = padded_params<acc_t>(scale, A::kWidth), shift_acc = padded_params<acc_t>(shift, A::kWidth);
-  map_per_channel<scalar_t, 1, 2>(
-      l, {x.const_data_ptr<scalar_t>()}, y.data_ptr<scalar_t>(), {scale_acc.data(), shift_acc.data()},
-      [](const std::array<Vec, 1>& v, const std::array<Vec, 2>& p) { return at::vec::fmadd(v[0], p[0], p[1]); });
+  const Vec slope_vec(static_cast<acc_t>(slope));
+  const auto op = [&](const std::array<Vec, kResidual ? 2 : 1>& v, const std::array<Vec, 2>& p) {
+    const Vec pre = pre_activation<kResidual>(v[0], v[kResidual ? 1 : 0], p[0], p[1]);
+    return activation<kActivation>(pre, slope_vec);
+  };
+  const std::array<const acc_t*, 2> params{scale_acc.data(), shift_acc.data()};
+  if constexpr (kResidual) {
+    map_per_channel<scalar_t, 2, 2>(l, {x.const_data_ptr<scalar_t>(), z->const_data_ptr<scalar_t>()},
+                                    y.data_ptr<scalar_t>(), params, op);
+  } else {
+    map_per_channel<scalar_t, 1, 2>(l, {x.const_data_ptr<scalar_t>()}, y.data_ptr<scalar_t>(), params, op);
+  }
 }
 
 template <typename scalar_t>
@@ -98,21 +102,20 @@ void backward_elemt_kernel(const at::Tensor& dy, const at::Tensor& x, const Layo
 }  // namespace
 
 at::Tensor elemt_forward(const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
-                         const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias) {
+                         const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& residual, std::optional<double> negative_slope) {
   check_input(input, "elemt_forward");
   const auto [x, l] = as_layout(input);
-  auto scale = per_channel_doubles(invstd, l.C, 1.0);
-  const auto m = per_channel_doubles(mean, l.C, 0.0);
-  const auto w = per_channel_doubles(weight, l.C, 1.0);
-  auto shift = per_channel_doubles(bias, l.C, 0.0);
-  for (int64_t c = 0; c < l.C; ++c) {
-    scale[c] *= w[c];
-    shift[c] -= m[c] * scale[c];
-  }
+  const auto z = optional_like_layout(residual, x, "elemt_forward", "residual");
+  const auto [scale, shift] = affine_coefficients(mean, invstd, weight, bias, l.C);
   auto y = at::empty_like(x);
   if (l.numel() == 0) return y;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_elemt_forward",
-                                  [&] { elemt_forward_kernel<scalar_t>(x, l, y, scale, shift); });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_elemt_forward", [&] {
+    with_flags(z.has_value(), negative_slope.has_value(), [&](auto has_residual, auto has_activation) {
+      elemt_forward_kernel<scalar_t, has_residual.value, has_activation.value>(x, z, l, y, scale, shift,
+                                                                                negative_slope.value_or(1.0));
+    });
+  });
   return y;
 }
 
@@ -128,14 +131,14 @@ at::Tensor backward_elemt(const at::Tensor& grad_output, const at::Tensor& input
   if (l.numel() == 0) return dx;
   TORCH_CHECK(count > 0, "syncbn.backward_elemt: the batch count must be positive, got ", count);
   const auto invstd_d = per_channel_doubles(invstd, l.C, 1.0);
-  const auto w = per_channel_doubles(weight, l.C, 1.0);
+  // params: mean, mean_dy, xmu_coef, scale
   std::array<std::vector<double>, 4> coefficients{per_channel_doubles(mean, l.C, 0.0),
                                                   per_channel_doubles(sum_dy, l.C, 0.0),
-                                                  per_channel_doubles(sum_dy_xmu, l.C, 0.0), invstd_d};
+                                                  per_channel_doubles(sum_dy_xmu, l.C, 0.0),
+                                                  affine_coefficients(mean, invstd, weight, std::nullopt, l.C).first};
   for (int64_t c = 0; c < l.C; ++c) {
-    coefficients[1][c] /= double(count);                                     // mean_dy
-    coefficients[2][c] *= invstd_d[c] * invstd_d[c] / double(count);         // xmu_coef
-    coefficients[3][c] *= w[c];                                              // scale
+    coefficients[1][c] /= double(count);
+    coefficients[2][c] *= invstd_d[c] * invstd_d[c] / double(count);
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_backward_elemt",
                                   [&] { backward_elemt_kernel<scalar_t>(dy, x, l, dx, coefficients); });

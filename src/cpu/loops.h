@@ -52,9 +52,9 @@ inline std::pair<at::Tensor, Layout> as_layout(const at::Tensor& x) {
   return {x.contiguous(), {N, C, S, true}};
 }
 
-// `other` laid out exactly as `x` (dy against the saved input).
-inline at::Tensor like_layout(const at::Tensor& other, const at::Tensor& x) {
-  TORCH_CHECK(other.sizes() == x.sizes(), "syncbn: grad_output has shape ", other.sizes(),
+// `other` laid out exactly as `x` (dy or the residual against the saved input).
+inline at::Tensor like_layout(const at::Tensor& other, const at::Tensor& x, const char* name = "grad_output") {
+  TORCH_CHECK(other.sizes() == x.sizes(), "syncbn: ", name, " has shape ", other.sizes(),
               " but the input has shape ", x.sizes());
   const auto format = x.suggest_memory_format();
   if (x.is_contiguous(format) && other.is_contiguous(format)) return other;
@@ -88,6 +88,10 @@ struct AccVec {
     std::copy(p, p + count, buffer.data());
     return load(buffer.data());
   }
+  // `count` (<= kWidth) values: whole vectors where count == kWidth.
+  static Pack load_n(const scalar_t* p, int64_t count) {
+    return count == kWidth ? load(p) : load_partial(p, count);
+  }
   static void store(scalar_t* p, const Pack& v) {
     if constexpr (kVecs == 1) {
       v[0].store(p);
@@ -99,6 +103,13 @@ struct AccVec {
     std::array<scalar_t, kWidth> buffer;
     store(buffer.data(), v);
     std::copy(buffer.data(), buffer.data() + count, p);
+  }
+  static void store_n(scalar_t* p, const Pack& v, int64_t count) {
+    if (count == kWidth) {
+      store(p, v);
+    } else {
+      store_partial(p, v, count);
+    }
   }
   // A per-channel parameter array (padded to a multiple of kWidth) at channel c.
   static Pack load_params(const acc_t* p) {
@@ -121,6 +132,50 @@ inline void for_each_channel_vector(int64_t C, const Fn& fn, const Rows*... rows
   int64_t c = 0;
   for (; c + A::kWidth <= C; c += A::kWidth) fn(c, A::load(rows + c)...);
   if (c < C) fn(c, A::load_partial(rows + c, C - c)...);
+}
+
+// The fused residual and activation: pre = x * scale + shift (+ z), y = act(pre) with
+// act(p) = p where p > 0, else p * slope (ReLU: slope 0). The forward and the backward's
+// recomputation share these, so that both take the same side of p > 0.
+template <bool kResidual, typename Vec>
+inline Vec pre_activation(const Vec& x, const Vec& z, const Vec& scale, const Vec& shift) {
+  const Vec pre = at::vec::fmadd(x, scale, shift);
+  if constexpr (kResidual) {
+    return pre + z;
+  } else {
+    return pre;
+  }
+}
+
+template <bool kActivation, typename Vec>
+inline Vec activation(const Vec& pre, const Vec& slope) {
+  if constexpr (kActivation) {
+    return Vec::blendv(pre * slope, pre, pre > Vec(0));
+  } else {
+    return pre;
+  }
+}
+
+// dy through the activation at its input pre.
+template <bool kActivation, typename Vec>
+inline Vec activation_grad(const Vec& dy, const Vec& pre, const Vec& slope) {
+  if constexpr (kActivation) {
+    return Vec::blendv(dy * slope, dy, pre > Vec(0));
+  } else {
+    return dy;
+  }
+}
+
+// Calls fn(std::bool_constant<a>, std::bool_constant<b>): runtime flags as template arguments.
+template <typename Fn>
+inline void with_flags(bool a, bool b, const Fn& fn) {
+  using T = std::true_type;
+  using F = std::false_type;
+  if (a) {
+    b ? fn(T{}, T{}) : fn(T{}, F{});
+  } else {
+    b ? fn(F{}, T{}) : fn(F{}, F{});
+  }
 }
 
 // Count, mean and M2 (sum of squared deviations from the mean) of a set of values.
@@ -188,6 +243,32 @@ inline std::vector<double> per_channel_doubles(const std::optional<at::Tensor>& 
     std::copy_n(d.const_data_ptr<double>(), C, out.data());
   }
   return out;
+}
+
+// Per-channel scale = invstd * weight and shift = bias - mean * scale, in double.
+inline std::pair<std::vector<double>, std::vector<double>> affine_coefficients(
+    const at::Tensor& mean, const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, int64_t C) {
+  auto scale = per_channel_doubles(invstd, C, 1.0);
+  const auto m = per_channel_doubles(mean, C, 0.0);
+  const auto w = per_channel_doubles(weight, C, 1.0);
+  auto shift = per_channel_doubles(bias, C, 0.0);
+  for (int64_t c = 0; c < C; ++c) {
+    scale[c] *= w[c];
+    shift[c] -= m[c] * scale[c];
+  }
+  return {scale, shift};
+}
+
+// An optional tensor shaped and laid out as x (the residual against the input), or None.
+inline std::optional<at::Tensor> optional_like_layout(const std::optional<at::Tensor>& other, const at::Tensor& x,
+                                                      const char* op, const char* name) {
+  if (!other.has_value() || !other->defined()) return std::nullopt;
+  TORCH_CHECK(other->scalar_type() == x.scalar_type(), "syncbn.", op, ": ", name, " is ", other->scalar_type(),
+              " but the input is ", x.scalar_type());
+  TORCH_CHECK(other->device() == x.device(), "syncbn.", op, ": ", name, " is on ", other->device(),
+              " but the input is on ", x.device());
+  return like_layout(*other, x, name);
 }
 
 inline void check_input(const at::Tensor& x, const char* op) {

@@ -1,5 +1,6 @@
-// Per-channel reductions: local statistics (count, mean, M2) and the backward sums
-// (sum_dy, sum_dy_xmu), each in one pass over memory; and the merge of replicas' statistics.
+// Per-channel reductions: local statistics (count, mean, M2) and the backward passes
+// (sum_dy and sum_dy_xmu; with frozen statistics also dx and the gradient through the fused
+// activation), each in one pass over memory; and the merge of replicas' statistics.
 //
 // Values accumulate per vector lane in the accumulation type (float for float32, bfloat16 and
 // float16; double for float64), at most kMaxLaneUpdates per lane; lanes and pieces merge in
@@ -123,7 +124,7 @@ class RowWelford {
   int64_t n_ = 0;
 };
 
-// sum(dy) and sum(dy * (x - mean)) of one channel, per vector lane.
+// sum(g) and sum(g * (x - mean)) of one channel (or of a part of it).
 struct GradSums {
   double dy = 0, dy_xmu = 0;
   void merge(const GradSums& other) {
@@ -132,95 +133,137 @@ struct GradSums {
   }
 };
 
+// The tensors of one backward pass over (dy, x[, z]) with fixed per-channel coefficients;
+// outputs that are not asked for are null.
 template <typename scalar_t>
-class LaneGradSums {
+struct GradPassData {
+  const scalar_t* dy;
+  const scalar_t* x;
+  const scalar_t* z;  // the residual, read with kResidual only
+  scalar_t* dx;       // g * scale
+  scalar_t* g;        // dy through the activation (the residual's gradient)
+  bool sums;          // accumulate sum(g) and sum(g * (x - mean))
+};
+
+// One step of a backward pass: `count` (<= kWidth) values at `offset`, the per-channel
+// coefficients as packs (one lane per value). g = dy * act'(x * scale + shift [+ z]).
+template <typename scalar_t, bool kResidual, bool kActivation>
+struct GradStep {
+  using A = AccVec<scalar_t>;
+  using Pack = typename A::Pack;
+  using Vec = typename A::Vec;
+
+  static void run(const GradPassData<scalar_t>& d, int64_t offset, int64_t count, const Pack& mean,
+                  const Pack& scale, const Pack& shift, const Vec& slope, Pack& sum_g, Pack& sum_g_xmu) {
+    const Pack dy = A::load_n(d.dy + offset, count), x = A::load_n(d.x + offset, count);
+    Pack z = dy;  // unread without kResidual
+    if constexpr (kResidual) z = A::load_n(d.z + offset, count);
+    Pack g, dx;
+    for (int k = 0; k < A::kVecs; ++k) {
+      if constexpr (kActivation) {
+        g[k] = activation_grad<true>(dy[k], pre_activation<kResidual>(x[k], z[k], scale[k], shift[k]), slope);
+      } else {
+        g[k] = dy[k];
+      }
+      if (d.sums) {
+        sum_g[k] = sum_g[k] + g[k];
+        sum_g_xmu[k] = at::vec::fmadd(g[k], x[k] - mean[k], sum_g_xmu[k]);
+      }
+      if (d.dx != nullptr) dx[k] = g[k] * scale[k];
+    }
+    if (d.dx != nullptr) A::store_n(d.dx + offset, dx, count);
+    if (d.g != nullptr) A::store_n(d.g + offset, g, count);
+  }
+};
+
+// Planar layout: a backward pass over one channel's runs, sums per vector lane.
+template <typename scalar_t, bool kResidual, bool kActivation>
+class LaneGradPass {
   using A = AccVec<scalar_t>;
   using acc_t = typename A::acc_t;
   using Vec = typename A::Vec;
 
  public:
-  LaneGradSums(const scalar_t* dy, const scalar_t* x, acc_t mean) : dy_(dy), x_(x), mean_(mean) {
-    sum_dy_.fill(Vec(0));
-    sum_dy_xmu_.fill(Vec(0));
-  }
+  LaneGradPass(const GradPassData<scalar_t>& d, acc_t mean, acc_t scale, acc_t shift, acc_t slope)
+      : d_(d),
+        mean_(A::broadcast(mean)),
+        scale_(A::broadcast(scale)),
+        shift_(A::broadcast(shift)),
+        slope_(slope),
+        sum_g_(A::broadcast(0)),
+        sum_g_xmu_(A::broadcast(0)) {}
 
   void add(int64_t offset, int64_t length) {
-    const scalar_t* dy = dy_ + offset;
-    const scalar_t* x = x_ + offset;
-    const Vec mean(mean_);
-    int64_t i = 0;
-    for (; i + A::kWidth <= length; i += A::kWidth) {
-      const auto g = A::load(dy + i), v = A::load(x + i);
-      for (int k = 0; k < A::kVecs; ++k) update(k, g[k], v[k], mean);
-    }
-    if constexpr (A::kVecs > 1) {  // a whole float vector left (bfloat16, float16)
-      if (i + Vec::size() <= length) {
-        Vec g, v;
-        at::vec::load_to_float(dy + i, g);
-        at::vec::load_to_float(x + i, v);
-        update(0, g, v, mean);
-        i += Vec::size();
-      }
-    }
-    for (; i < length; ++i) {
-      const double g = double(acc_t(dy[i]));
-      tail_.merge({g, g * (double(acc_t(x[i])) - double(mean_))});
+    for (int64_t i = 0; i < length; i += A::kWidth) {
+      GradStep<scalar_t, kResidual, kActivation>::run(d_, offset + i, std::min(A::kWidth, length - i), mean_,
+                                                      scale_, shift_, slope_, sum_g_, sum_g_xmu_);
     }
   }
 
   GradSums result() const {
-    GradSums total = tail_;
+    GradSums total;
     for (int k = 0; k < A::kVecs; ++k) {
-      total.merge({double(at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), sum_dy_[k])),
-                   double(at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), sum_dy_xmu_[k]))});
+      total.merge({double(at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), sum_g_[k])),
+                   double(at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), sum_g_xmu_[k]))});
     }
     return total;
   }
 
  private:
-  void update(int k, const Vec& g, const Vec& v, const Vec& mean) {
-    sum_dy_[k] = sum_dy_[k] + g;
-    sum_dy_xmu_[k] = at::vec::fmadd(g, v - mean, sum_dy_xmu_[k]);
-  }
-
-  const scalar_t* dy_;
-  const scalar_t* x_;
-  acc_t mean_;
-  typename A::Pack sum_dy_, sum_dy_xmu_;
-  GradSums tail_;
+  GradPassData<scalar_t> d_;
+  typename A::Pack mean_, scale_, shift_;
+  Vec slope_;
+  typename A::Pack sum_g_, sum_g_xmu_;
 };
 
-template <typename scalar_t>
-class RowGradSums {
+// Interleaved layout: a backward pass over rows, sums per channel. The per-channel arrays
+// are padded to whole vectors.
+template <typename scalar_t, bool kResidual, bool kActivation>
+class RowGradPass {
   using A = AccVec<scalar_t>;
   using acc_t = typename A::acc_t;
   using Vec = typename A::Vec;
 
  public:
-  RowGradSums(int64_t C, const acc_t* mean)
-      : C_(C), mean_(mean), sum_dy_(padded_params<acc_t>(C, A::kWidth)), sum_dy_xmu_(sum_dy_) {}
+  RowGradPass(const GradPassData<scalar_t>& d, int64_t C, const acc_t* mean, const acc_t* scale, const acc_t* shift,
+              acc_t slope)
+      : d_(d),
+        C_(C),
+        mean_(mean),
+        scale_(scale),
+        shift_(shift),
+        slope_(slope),
+        sum_g_(padded_params<acc_t>(C, A::kWidth)),
+        sum_g_xmu_(sum_g_) {}
 
-  void add_row(const scalar_t* dy, const scalar_t* x) {
-    for_each_channel_vector<scalar_t>(C_, [&](int64_t c, const auto& g, const auto& v) { update(g, v, c); }, dy, x);
-  }
-
-  void write(GradSums* out) const {
-    for (int64_t c = 0; c < C_; ++c) out[c] = {double(sum_dy_[c]), double(sum_dy_xmu_[c])};
-  }
-
- private:
-  void update(const typename A::Pack& g, const typename A::Pack& v, int64_t c) {
-    for (int k = 0; k < A::kVecs; ++k) {
-      const int64_t at = c + k * Vec::size();
-      (Vec::loadu(sum_dy_.data() + at) + g[k]).store(sum_dy_.data() + at);
-      const Vec xmu = v[k] - Vec::loadu(mean_ + at);
-      at::vec::fmadd(g[k], xmu, Vec::loadu(sum_dy_xmu_.data() + at)).store(sum_dy_xmu_.data() + at);
+  // The row starting at `offset`.
+  void add_row(int64_t offset) {
+    for (int64_t c = 0; c < C_; c += A::kWidth) {
+      auto sum_g = A::load_params(sum_g_.data() + c), sum_g_xmu = A::load_params(sum_g_xmu_.data() + c);
+      GradStep<scalar_t, kResidual, kActivation>::run(d_, offset + c, std::min(A::kWidth, C_ - c),
+                                                      A::load_params(mean_ + c), A::load_params(scale_ + c),
+                                                      A::load_params(shift_ + c), slope_, sum_g, sum_g_xmu);
+      if (d_.sums) {
+        store_params(sum_g_.data() + c, sum_g);
+        store_params(sum_g_xmu_.data() + c, sum_g_xmu);
+      }
     }
   }
 
+  void write(GradSums* out) const {
+    for (int64_t c = 0; c < C_; ++c) out[c] = {double(sum_g_[c]), double(sum_g_xmu_[c])};
+  }
+
+ private:
+  static void store_params(acc_t* p, const typename A::Pack& v) {
+    for (int k = 0; k < A::kVecs; ++k) v[k].store(p + k * Vec::size());
+  }
+
+  GradPassData<scalar_t> d_;
   int64_t C_;
-  const acc_t* mean_;
-  std::vector<acc_t> sum_dy_, sum_dy_xmu_;
+  const acc_t *mean_, *scale_, *shift_;
+  Vec slope_;
+  std::vector<acc_t> sum_g_, sum_g_xmu_;
 };
 
 // Planar layout: each channel's values cut into pieces, each piece reduced by a fresh
@@ -311,26 +354,55 @@ void local_stats_kernel(const at::Tensor& x, const Layout& l, double* mean_out, 
   }
 }
 
-template <typename scalar_t>
-void backward_reduce_kernel(const at::Tensor& dy, const at::Tensor& x, const Layout& l,
-                            const at::Tensor& mean, double* sum_dy, double* sum_dy_xmu) {
+// Per-channel coefficients of a backward pass: mean, scale and shift (see affine_coefficients).
+struct GradCoefficients {
+  std::vector<double> mean, scale, shift;
+  double slope;
+};
+
+// The backward pass over every value of x (either layout); returns the per-channel sums.
+template <typename scalar_t, bool kResidual, bool kActivation>
+std::vector<GradSums> grad_pass(const Layout& l, const GradPassData<scalar_t>& d, const GradCoefficients& k) {
   using A = AccVec<scalar_t>;
   using acc_t = typename A::acc_t;
-  const scalar_t* g = dy.const_data_ptr<scalar_t>();
-  const scalar_t* v = x.const_data_ptr<scalar_t>();
-  const auto means = padded_params<acc_t>(per_channel_doubles(mean, l.C, 0.0), A::kWidth);
-  std::vector<GradSums> sums;
+  const auto mean = padded_params<acc_t>(k.mean, A::kWidth);
+  const auto scale = padded_params<acc_t>(k.scale, A::kWidth);
+  const auto shift = padded_params<acc_t>(k.shift, A::kWidth);
+  const auto slope = static_cast<acc_t>(k.slope);
   if (l.interleaved) {
-    sums = reduce_interleaved<GradSums>(
-        l, [&] { return RowGradSums<scalar_t>(l.C, means.data()); },
-        [&](RowGradSums<scalar_t>& acc, int64_t offset) { acc.add_row(g + offset, v + offset); });
-  } else {
-    sums = reduce_planar<GradSums>(l, A::kWidth, [&](int64_t c) { return LaneGradSums<scalar_t>(g, v, means[c]); });
+    using Acc = RowGradPass<scalar_t, kResidual, kActivation>;
+    return reduce_interleaved<GradSums>(
+        l, [&] { return Acc(d, l.C, mean.data(), scale.data(), shift.data(), slope); },
+        [&](Acc& acc, int64_t offset) { acc.add_row(offset); });
   }
-  for (int64_t c = 0; c < l.C; ++c) {
-    sum_dy[c] = sums[c].dy;
-    sum_dy_xmu[c] = sums[c].dy_xmu;
+  // a run shorter than a vector still takes one update of each lane
+  const int64_t lanes = std::max<int64_t>(1, l.S / ceil_div(l.S, A::kWidth));
+  return reduce_planar<GradSums>(l, lanes, [&](int64_t c) {
+    return LaneGradPass<scalar_t, kResidual, kActivation>(d, mean[c], scale[c], shift[c], slope);
+  });
+}
+
+// The pass with the residual and activation flags taken at compile time.
+template <typename scalar_t>
+std::vector<GradSums> dispatch_grad_pass(const Layout& l, const GradPassData<scalar_t>& d, const GradCoefficients& k,
+                                         bool residual, bool activation) {
+  std::vector<GradSums> sums;
+  with_flags(residual, activation, [&](auto has_residual, auto has_activation) {
+    sums = grad_pass<scalar_t, has_residual.value, has_activation.value>(l, d, k);
+  });
+  return sums;
+}
+
+// (C,) tensors of the sums, in `dtype`.
+std::pair<at::Tensor, at::Tensor> sums_to_tensors(const std::vector<GradSums>& sums, int64_t C,
+                                                  const at::TensorOptions& options, at::ScalarType dtype) {
+  auto sum_g = at::zeros({C}, options.dtype(at::kDouble));
+  auto sum_g_xmu = at::zeros({C}, options.dtype(at::kDouble));
+  for (int64_t c = 0; c < static_cast<int64_t>(sums.size()); ++c) {
+    sum_g.data_ptr<double>()[c] = sums[c].dy;
+    sum_g_xmu.data_ptr<double>()[c] = sums[c].dy_xmu;
   }
+  return {sum_g.to(dtype), sum_g_xmu.to(dtype)};
 }
 
 }  // namespace
@@ -356,14 +428,53 @@ std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& grad_output
   const auto dy = like_layout(grad_output, x);
   TORCH_CHECK(mean.numel() == l.C, "syncbn.backward_reduce: mean has ", mean.numel(), " values for ", l.C,
               " channels");
-  auto sum_dy = at::zeros({l.C}, input.options().dtype(at::kDouble));
-  auto sum_dy_xmu = at::zeros({l.C}, input.options().dtype(at::kDouble));
+  std::vector<GradSums> sums(l.C);
   if (l.numel() > 0) {
+    const GradCoefficients k{per_channel_doubles(mean, l.C, 0.0), std::vector<double>(l.C, 1.0),
+                             std::vector<double>(l.C, 0.0), 1.0};
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_backward_reduce", [&] {
-      backward_reduce_kernel<scalar_t>(dy, x, l, mean, sum_dy.data_ptr<double>(), sum_dy_xmu.data_ptr<double>());
+      const GradPassData<scalar_t> d{dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), nullptr, nullptr,
+                                     nullptr, true};
+      sums = grad_pass<scalar_t, false, false>(l, d, k);
     });
   }
-  return {sum_dy.to(mean.scalar_type()), sum_dy_xmu.to(mean.scalar_type())};
+  const auto [sum_dy, sum_dy_xmu] = sums_to_tensors(sums, l.C, input.options(), mean.scalar_type());
+  return {sum_dy, sum_dy_xmu};
+}
+
+std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
+backward_affine_act(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
+                    const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
+                    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
+                    std::optional<double> negative_slope, bool input_grad, bool residual_grad, bool sums) {
+  check_input(input, "backward_affine_act");
+  TORCH_CHECK(grad_output.scalar_type() == input.scalar_type(), "syncbn.backward_affine_act: grad_output is ",
+              grad_output.scalar_type(), " but the input is ", input.scalar_type());
+  const auto [x, l] = as_layout(input);
+  const auto dy = like_layout(grad_output, x);
+  const auto z = optional_like_layout(residual, x, "backward_affine_act", "residual");
+  TORCH_CHECK(mean.numel() == l.C && invstd.numel() == l.C, "syncbn.backward_affine_act: mean and invstd need ",
+              l.C, " values, got ", mean.numel(), " and ", invstd.numel());
+  const auto [scale, shift] = affine_coefficients(mean, invstd, weight, bias, l.C);
+  const GradCoefficients k{per_channel_doubles(mean, l.C, 0.0), scale, shift, negative_slope.value_or(1.0)};
+  std::optional<at::Tensor> dx, g;
+  if (input_grad) dx = at::empty_like(x);
+  if (residual_grad) g = at::empty_like(x);
+  std::vector<GradSums> channel_sums(l.C);
+  if (l.numel() > 0 && (input_grad || residual_grad || sums)) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_backward_affine_act", [&] {
+      const GradPassData<scalar_t> d{dy.const_data_ptr<scalar_t>(),
+                                     x.const_data_ptr<scalar_t>(),
+                                     z ? z->const_data_ptr<scalar_t>() : nullptr,
+                                     dx ? dx->data_ptr<scalar_t>() : nullptr,
+                                     g ? g->data_ptr<scalar_t>() : nullptr,
+                                     sums};
+      channel_sums = dispatch_grad_pass<scalar_t>(l, d, k, z.has_value(), negative_slope.has_value());
+    });
+  }
+  std::optional<at::Tensor> sum_g, sum_g_xmu;
+  if (sums) std::tie(sum_g, sum_g_xmu) = sums_to_tensors(channel_sums, l.C, input.options(), mean.scalar_type());
+  return {dx, g, sum_g, sum_g_xmu};
 }
 
 std::tuple<at::Tensor, at::Tensor> merge_stats(const at::Tensor& counts, const at::Tensor& means,
