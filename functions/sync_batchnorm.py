@@ -6,6 +6,9 @@ Forward, per channel c, over the N values of every replica:
     the global mean and biased variance var; y = (x - mean) * invstd * weight + bias with
     invstd = 1 / sqrt(var + eps). The master alone updates running_mean / running_var (with
     the unbiased var * N / (N - 1)) and num_batches_tracked, once per call.
+With a fused residual z and activation act (ReLU, LeakyReLU), the output is act(y + z), one
+elementwise pass; the backward recomputes act's input from x, z and the statistics and takes
+g = dy * act'(.) in place of dy below (g is also z's gradient).
 Backward: each replica computes sum_dy and sum_dy_xmu = sum(dy * (x - mean)); both are summed
 over the replicas in one exchange; then
     dx = (dy - sum_dy / N - (x - mean) * invstd^2 * sum_dy_xmu / N) * invstd * weight,
@@ -145,10 +148,11 @@ class SyncBatchNormFunction(Function):
     """Batch norm with statistics over every replica's batch (see the module docstring).
 
     ``apply(input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
-    replica_call, layer[, process_call])``; ``replica_call`` is None for a lone replica,
-    ``process_call`` is None within one process (and on replicas other than the master),
-    ``layer`` names the layer in errors. ``input`` is ``(N, C, *)``; weight, bias and running stats are ``(C,)``
-    or None.
+    replica_call, layer[, process_call, residual, negative_slope])``; ``replica_call`` is None
+    for a lone replica, ``process_call`` is None within one process (and on replicas other than
+    the master), ``layer`` names the layer in errors. ``input`` is ``(N, C, *)``; weight, bias
+    and running stats are ``(C,)`` or None; ``residual`` is None or shaped as ``input``;
+    ``negative_slope`` is None (no activation) or the activation's slope below 0 (ReLU: 0).
     """
 
     @staticmethod
@@ -165,6 +169,8 @@ class SyncBatchNormFunction(Function):
         replica_call: ReplicaCall | None,
         layer: str,
         process_call: ProcessGroupCall | None = None,
+        residual: Tensor | None = None,
+        negative_slope: float | None = None,
     ) -> Tensor:
         x = input.contiguous(memory_format=memory_format_of(input))
         kernels = kernels_for(x.device)
@@ -180,10 +186,10 @@ class SyncBatchNormFunction(Function):
             update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, count)
         acc = accumulation_dtype(x.dtype)
         mean, invstd = mean.to(acc), torch.rsqrt(var + eps).to(acc)
-        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.save_for_backward(x, weight, bias, residual, mean, invstd)
         ctx.count, ctx.replica_call, ctx.process_call = count, replica_call, process_call
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return kernels.elemt_forward(x, mean, invstd, weight, bias)
+        ctx.negative_slope = negative_slope
+        return kernels.elemt_forward(x, mean, invstd, weight, bias, residual, negative_slope)
 
     @staticmethod
     @once_differentiable
@@ -207,10 +213,15 @@ class SyncBatchNormFunction(Function):
 
     @staticmethod
     def _backward(ctx, grad_output: Tensor) -> tuple:
-        x, weight, mean, invstd = ctx.saved_tensors
+        x, weight, bias, residual, mean, invstd = ctx.saved_tensors
         dy = grad_output.contiguous(memory_format=memory_format_of(x))
         kernels = kernels_for(x.device)
-        sum_dy, sum_dy_xmu = kernels.backward_reduce(dy, x, mean)
+        if ctx.negative_slope is None:
+            sum_dy, sum_dy_xmu = kernels.backward_reduce(dy, x, mean)
+        else:  # dy through the activation, and its sums, in one pass
+            _, dy, sum_dy, sum_dy_xmu = kernels.backward_affine_act(
+                dy, x, mean, invstd, weight, bias, residual, ctx.negative_slope, False, True, True
+            )
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             total_dy, total_dy_xmu = sum_dy, sum_dy_xmu
@@ -220,9 +231,16 @@ class SyncBatchNormFunction(Function):
             grad_input = kernels.backward_elemt(dy, x, mean, invstd, weight, total_dy, total_dy_xmu, ctx.count)
         if weight is not None and ctx.needs_input_grad[1]:
             grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            grad_bias = sum_dy.to(ctx.bias_dtype)
-        return (grad_input, grad_weight, grad_bias, *([None] * (len(ctx.needs_input_grad) - 3)))
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_bias = sum_dy.to(bias.dtype)
+        grads = [grad_input, grad_weight, grad_bias, *([None] * (len(ctx.needs_input_grad) - 3))]
+        if len(grads) > RESIDUAL_ARG and ctx.needs_input_grad[RESIDUAL_ARG]:
+            grads[RESIDUAL_ARG] = dy
+        return tuple(grads)
+
+
+RESIDUAL_ARG = 11
+"""Where ``residual`` is among :meth:`SyncBatchNormFunction.forward`'s arguments (after ctx)."""
 
 
 def sync_batch_norm(
@@ -238,11 +256,14 @@ def sync_batch_norm(
     replica_call: ReplicaCall | None = None,
     process_call: ProcessGroupCall | None = None,
     layer: str = "sync_batch_norm",
+    residual: Tensor | None = None,
+    negative_slope: float | None = None,
 ) -> Tensor:
-    r"""Batch norm over the batch statistics of every replica, as in training mode.
+    r"""Batch norm over the batch statistics of every replica, as in training mode, with an
+    optional fused residual and activation.
 
     .. math::
-        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot \gamma + \beta
+        y = \mathrm{act}\left(\frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot \gamma + \beta + z\right)
 
     with E and Var (biased) taken per channel over dim 0 and every dim after 1 of all the
     replicas' inputs together. ``input`` is ``(N, C, *)`` of a floating dtype (float16 and
@@ -253,9 +274,23 @@ def sync_batch_norm(
     the cumulative average when ``momentum`` is None. Without ``replica_call`` this is an
     ordinary training-mode batch norm through the same kernels. ``process_call`` (from a
     :class:`~functions.distributed.ProcessGroupSync`) syncs across the ranks of its group too,
-    on the master replica (index 0) of each process. Returns ``y``, shaped and laid
-    out as ``input``.
+    on the master replica (index 0) of each process. ``residual`` (z, None: 0) is shaped and
+    typed as ``input``; ``act`` is the identity when ``negative_slope`` is None, else
+    ``p if p > 0 else p * negative_slope`` (ReLU: 0.0). Returns ``y``, shaped and laid out as
+    ``input``.
     """
     return SyncBatchNormFunction.apply(
-        input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, replica_call, layer, process_call
+        input,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        num_batches_tracked,
+        momentum,
+        eps,
+        replica_call,
+        layer,
+        process_call,
+        residual,
+        negative_slope,
     )

@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from functions import kernels_for, sync_batch_norm
+from functions import frozen_batch_norm, kernels_for, sync_batch_norm
 from functions.distributed import ProcessGroupSync, active_process_group, consecutive_rank_groups, report_failure
 from functions.replicas import REPLICA_ATTR, ReplicaHandle, RoundTracker, resolve_timeout
 
@@ -25,10 +26,14 @@ __all__ = [
     "BatchNorm3d",
     "consecutive_rank_groups",
     "convert_sync_batchnorm",
+    "freeze_batchnorm",
+    "fuse_bn_act",
     "revert_sync_batchnorm",
 ]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+ACTIVATIONS = (None, "relu", "leaky_relu")
+"""What ``activation=`` takes: none, ReLU, or LeakyReLU with ``negative_slope``."""
 _TORCH_BN_TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
 
 
@@ -38,10 +43,11 @@ def _bias_kwarg(bias: bool) -> dict[str, bool]:
 
 
 class SyncBatchNorm(_BatchNorm):
-    r"""Batch norm whose training statistics cover the whole batch, however it is split.
+    r"""Batch norm whose training statistics cover the whole batch, however it is split, with
+    an optional fused residual and activation, and an optional frozen mode.
 
     .. math::
-        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot \gamma + \beta
+        y = \mathrm{act}\left(\frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot \gamma + \beta + z\right)
 
     Mean and (biased) variance are taken per channel over the batch and spatial dims of every
     replica's input together when the layer runs as ``nn.DataParallel`` or
@@ -51,6 +57,13 @@ class SyncBatchNorm(_BatchNorm):
     ``nn.BatchNorm*`` (through ``F.batch_norm``). Running statistics are updated once per step
     with the unbiased variance, as ``nn.BatchNorm*`` does on the full batch, identically on
     every rank. Eval with running statistics never communicates.
+
+    ``forward(x, z=None)``: ``z`` (shaped and typed as ``x``) is added before the activation,
+    ``act`` is ``activation`` (identity when None); both fused into the one elementwise pass
+    of forward and of backward (the backward recomputes act's input from ``x``, ``z`` and the
+    statistics). A frozen layer (``frozen=True`` or :meth:`freeze`) normalizes with its running
+    statistics in training too, never updates them and never communicates, while weight and
+    bias still train: ``nn.BatchNorm*`` in eval mode, whatever the layer's training flag.
 
     Args:
         num_features: C, the size of dim 1 of the input.
@@ -68,9 +81,14 @@ class SyncBatchNorm(_BatchNorm):
         timeout: seconds a replica waits for the other replicas in its process before raising
             :class:`~functions.ReplicaSyncError`. Default: ``$SYNCBN_TIMEOUT``, else 60.
         bias: learn a bias (with ``affine``). Default: True
+        frozen: normalize with the running statistics, never update or sync them (needs
+            ``track_running_stats``). Not part of the state_dict. Default: False
+        activation: ``None``, ``'relu'`` or ``'leaky_relu'``, applied after the residual.
+            Default: None
+        negative_slope: the slope below 0 of ``'leaky_relu'``. Default: 0.01
 
     Shape: input ``(N, C, *)`` of rank >= 2 (the 1d/2d/3d classes check the rank as
-    ``nn.BatchNorm*d`` do); output the same shape, dtype and memory format.
+    ``nn.BatchNorm*d`` do); ``z`` the same; output the same shape, dtype and memory format.
     """
 
     _expected_ranks: tuple[int, ...] | None = None
@@ -88,9 +106,14 @@ class SyncBatchNorm(_BatchNorm):
         dtype: torch.dtype | None = None,
         *,
         bias: bool = True,
+        frozen: bool = False,
+        activation: str | None = None,
+        negative_slope: float = 0.01,
     ) -> None:
         if not (isinstance(num_features, int) and num_features > 0):
             raise ValueError(f"num_features must be a positive int, got {num_features!r}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         if not eps > 0:
             raise ValueError(f"batch_norm eps must be positive, but got {eps}")
         if timeout is not None:
@@ -102,7 +125,12 @@ class SyncBatchNorm(_BatchNorm):
             self.register_parameter("bias", None)  # torch < 2.13 has no bias argument
         self.process_group = process_group
         self.timeout = timeout
+        self.activation = activation
+        self.negative_slope = float(negative_slope)
         self.layer_name: str | None = None
+        self.frozen = False
+        if frozen:
+            self.freeze()
         self._round_tracker = RoundTracker()
         self._process_sync = ProcessGroupSync()
         setattr(self, REPLICA_ATTR, None)
@@ -112,7 +140,40 @@ class SyncBatchNorm(_BatchNorm):
         return f"{type(self).__name__}({self.num_features}){name}"
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + (f", timeout={self.timeout}" if self.timeout is not None else "")
+        extra = [f"timeout={self.timeout}"] if self.timeout is not None else []
+        extra += ["frozen=True"] if self.frozen else []
+        if self.activation is not None:
+            extra.append(f"activation={self.activation!r}")
+        if self.activation == "leaky_relu":
+            extra.append(f"negative_slope={self.negative_slope}")
+        return ", ".join([super().extra_repr(), *extra])
+
+    def freeze(self) -> "SyncBatchNorm":
+        """Normalize with the running statistics from now on, in training too; never update
+        them, never communicate. Weight and bias keep their ``requires_grad``. Returns self."""
+        if self.running_mean is None or self.running_var is None:
+            raise ValueError(f"{self._label()}: a frozen batch norm needs running statistics (track_running_stats=True)")
+        self.frozen = True
+        return self
+
+    def unfreeze(self) -> "SyncBatchNorm":
+        """Back to batch statistics in training (and running-statistics updates). Returns self."""
+        self.frozen = False
+        return self
+
+    def _negative_slope(self) -> float | None:
+        """The fused activation as the kernels take it: None (none), 0.0 (ReLU) or the slope."""
+        return {None: None, "relu": 0.0, "leaky_relu": self.negative_slope}[self.activation]
+
+    def _activate(self, y: Tensor, z: Tensor | None) -> Tensor:
+        """act(y + z) through autograd, unfused: where torch's own batch norm serves."""
+        if z is not None:
+            y = y + z
+        if self.activation == "relu":
+            return F.relu(y)
+        if self.activation == "leaky_relu":
+            return F.leaky_relu(y, self.negative_slope)
+        return y
 
     def _check_input_dim(self, input: Tensor) -> None:
         ranks = self._expected_ranks
@@ -122,9 +183,11 @@ class SyncBatchNorm(_BatchNorm):
             expected = " or ".join(f"{r}D" for r in ranks)
             raise ValueError(f"{self._label()}: expected {expected} input (got {input.dim()}D input)")
 
-    def _check_input(self, input: Tensor) -> None:
+    def _check_input(self, input: Tensor, z: Tensor | None = None) -> None:
         """Everything that can be wrong with the input, checked before any state changes."""
         self._check_input_dim(input)
+        if z is not None:
+            self._check_residual(input, z)
         if input.size(1) != self.num_features:
             raise RuntimeError(
                 f"{self._label()}: expected {self.num_features} channels in dim 1, "
@@ -144,39 +207,51 @@ class SyncBatchNorm(_BatchNorm):
                 f"(or float32 for half inputs), got {tensor.dtype}"
             )
 
+    def _check_residual(self, input: Tensor, z: Tensor) -> None:
+        if not isinstance(z, Tensor):
+            raise TypeError(f"{self._label()}: the residual z must be a Tensor, got {type(z).__name__}")
+        if z.shape != input.shape or z.dtype != input.dtype or z.device != input.device:
+            raise RuntimeError(
+                f"{self._label()}: the residual z must match the input, got z of size {tuple(z.shape)}, "
+                f"{z.dtype} on {z.device} for input of size {tuple(input.shape)}, {input.dtype} on {input.device}"
+            )
+
     def _replicate_for_data_parallel(self):
         replica = super()._replicate_for_data_parallel()
         handle = self._round_tracker.join(replica, self._label(), resolve_timeout(self.timeout))
         setattr(replica, REPLICA_ATTR, handle)
         return replica
 
-    def forward(self, input: Tensor) -> Tensor:
+    def forward(self, input: Tensor, z: Tensor | None = None) -> Tensor:
         handle: ReplicaHandle | None = getattr(self, REPLICA_ATTR)
         try:
-            return self._forward(input, handle)
+            return self._forward(input, z, handle)
         except BaseException as error:
             if handle is not None:
                 handle.round.abort(error, handle.index)
             raise
 
-    def _forward(self, input: Tensor, handle: ReplicaHandle | None) -> Tensor:
-        uses_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
-        group = active_process_group(self.process_group, self._label()) if uses_batch_stats else None
+    def _forward(self, input: Tensor, z: Tensor | None, handle: ReplicaHandle | None) -> Tensor:
+        uses_batch_stats = not self.frozen and (
+            self.training or (self.running_mean is None and self.running_var is None)
+        )
+        if not uses_batch_stats:
+            return self._forward_fixed_stats(input, z)
+        group = active_process_group(self.process_group, self._label())
         # the master replica of each process (or the lone layer) takes part in the collectives
         process_call = None
         if group is not None and (handle is None or handle.index == 0):
             process_call = self._process_sync.next_call(group, self._label())
-        self._check_input_before(process_call, input)
+        self._check_input_before(process_call, input, z)
         replicated = handle is not None and handle.round.size > 1
         # a lone replica of a lone process takes our kernels only where they beat torch's own
-        ours = uses_batch_stats and (replicated or group is not None or kernels_for(input.device).serves_single_device)
-        if not ours:
-            if uses_batch_stats and input.numel() == input.size(1):
+        if not (replicated or group is not None or kernels_for(input.device).serves_single_device):
+            if input.numel() == input.size(1):
                 raise ValueError(
                     f"{self._label()}: Expected more than 1 value per channel when training, "
                     f"got input size {input.size()}"
                 )
-            return super().forward(input)
+            return self._activate(super().forward(input), z)
         updates = self.training and self.track_running_stats
         return sync_batch_norm(
             input,
@@ -190,13 +265,27 @@ class SyncBatchNorm(_BatchNorm):
             replica_call=handle.next_call() if replicated else None,
             process_call=process_call,
             layer=self._label(),
+            residual=z,
+            negative_slope=self._negative_slope(),
         )
 
-    def _check_input_before(self, process_call: Any | None, input: Tensor) -> None:
+    def _forward_fixed_stats(self, input: Tensor, z: Tensor | None) -> Tensor:
+        """Frozen, or eval with running statistics: no update, no communication."""
+        self._check_input(input, z)
+        plain = not self.frozen and z is None and self.activation is None
+        if plain or not kernels_for(input.device).serves_single_device:
+            # torch's own eval-mode batch norm (bit-exact, double-differentiable), act unfused
+            y = F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+            return self._activate(y, z)
+        return frozen_batch_norm(
+            input, self.running_mean, self.running_var, self.weight, self.bias, self.eps, z, self._negative_slope()
+        )
+
+    def _check_input_before(self, process_call: Any | None, input: Tensor, z: Tensor | None) -> None:
         """:meth:`_check_input`; on bad input, first tell the other ranks (they raise too,
         rather than wait in the collective until its timeout)."""
         try:
-            self._check_input(input)
+            self._check_input(input, z)
         except (ValueError, RuntimeError):
             if process_call is not None:
                 device = self.weight.device if self.weight is not None else input.device
@@ -302,6 +391,9 @@ def _revert(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
         return memo[id(module)]
     result = module
     if isinstance(module, SyncBatchNorm):
+        if module.frozen or module.activation is not None:
+            what = "is frozen" if module.frozen else f"has the fused activation {module.activation!r}"
+            raise ValueError(f"{module._label()} {what}, which nn.BatchNorm cannot express; unfreeze it or build it unfused")
         plain = next(_TO_TORCH[cls] for cls in type(module).__mro__ if cls in _TO_TORCH)
         args = _layer_args(module)
         if plain is nn.SyncBatchNorm:
@@ -313,8 +405,142 @@ def _revert(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
 
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """The way back: our layers become ``nn.BatchNorm1d/2d/3d`` (``SyncBatchNorm``, of any
-    rank, becomes ``nn.SyncBatchNorm``), keeping parameters, buffers and the training flag."""
+    rank, becomes ``nn.SyncBatchNorm``), keeping parameters, buffers and the training flag.
+    Raises ValueError for a frozen layer or one with a fused activation (torch's have neither)."""
     return _revert(module, {})
+
+
+def freeze_batchnorm(module: nn.Module) -> nn.Module:
+    """Freeze every batch norm of ``module``: torch's are converted to ours first (as by
+    :func:`convert_sync_batchnorm`), then each is :meth:`SyncBatchNorm.freeze`-d: normalized
+    with its running statistics in training too, never updated, never synced; weight and bias
+    still train where they require grad. Returns the module (a new object when ``module``
+    itself is a batch norm); its state_dict is unchanged."""
+    module = convert_sync_batchnorm(module)
+    for layer in module.modules():
+        if isinstance(layer, SyncBatchNorm):
+            layer.freeze()
+    return module
+
+
+_ACTIVATION_MODULES = {nn.ReLU: "relu", nn.LeakyReLU: "leaky_relu"}
+_RELU_FUNCTIONS = {F.relu, torch.relu, torch.relu_, getattr(F, "relu_", F.relu)}
+
+
+def _fused_layer(layer: _BatchNorm, activation: str, negative_slope: float) -> SyncBatchNorm:
+    """A layer of ours holding ``layer``'s parameters and buffers, with the activation fused."""
+    ours = layer if isinstance(layer, SyncBatchNorm) else _convert(layer, getattr(layer, "layer_name", "") or "", None, {})
+    kind = next(cls for cls in type(ours).__mro__ if cls in _TO_TORCH)
+    fused = _move_state(ours, kind(**_layer_args(ours), process_group=ours.process_group, timeout=ours.timeout))
+    fused.frozen, fused.layer_name = ours.frozen, ours.layer_name
+    fused.activation, fused.negative_slope = activation, float(negative_slope)
+    return fused
+
+
+def _fusable(layer: Any, held: dict[int, int]) -> bool:
+    """A batch norm (ours or torch's) without an activation, held in one place only."""
+    is_bn = type(layer) in _TO_SYNC or isinstance(layer, SyncBatchNorm)
+    return is_bn and getattr(layer, "activation", None) is None and held.get(id(layer), 0) == 1
+
+
+def _holdings(model: nn.Module) -> dict[int, int]:
+    """How many places of ``model`` hold each module."""
+    held: dict[int, int] = {}
+    for _, layer in model.named_modules(remove_duplicate=False):
+        held[id(layer)] = held.get(id(layer), 0) + 1
+    return held
+
+
+def _fuse_sequential_pairs(model: nn.Module) -> None:
+    """In every ``nn.Sequential``, a batch norm followed by ReLU/LeakyReLU becomes one fused
+    layer and the activation's slot ``nn.Identity``."""
+    held = _holdings(model)
+    for sequence in [m for m in model.modules() if isinstance(m, nn.Sequential)]:
+        names = list(sequence._modules)
+        for first, second in zip(names, names[1:]):
+            layer, act = sequence._modules[first], sequence._modules[second]
+            if type(act) in _ACTIVATION_MODULES and _fusable(layer, held):
+                slope = getattr(act, "negative_slope", 0.01)
+                sequence._modules[first] = _fused_layer(layer, _ACTIVATION_MODULES[type(act)], slope)
+                sequence._modules[second] = nn.Identity()
+
+
+class _LeafBatchNormTracer(torch.fx.Tracer):
+    """torch.fx's tracer, with our layers as leaves (calls, not traced through)."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, SyncBatchNorm) or super().is_leaf_module(m, module_qualified_name)
+
+
+def _activation_of(node: torch.fx.Node, source: torch.fx.Node, modules: dict[str, nn.Module]) -> tuple[str, float] | None:
+    """(activation, negative_slope) when ``node`` is ReLU/LeakyReLU applied to ``source``."""
+    if not node.args or node.args[0] is not source:
+        return None
+    if node.op == "call_module" and type(modules.get(node.target)) in _ACTIVATION_MODULES:
+        act = modules[node.target]
+        return _ACTIVATION_MODULES[type(act)], getattr(act, "negative_slope", 0.01)
+    if node.op == "call_method" and node.target in ("relu", "relu_") and len(node.args) == 1:
+        return "relu", 0.0
+    if node.op == "call_function" and node.target in _RELU_FUNCTIONS:
+        return "relu", 0.0
+    if node.op == "call_function" and node.target is F.leaky_relu:
+        slope = node.args[1] if len(node.args) > 1 else node.kwargs.get("negative_slope", 0.01)
+        return ("leaky_relu", float(slope)) if isinstance(slope, (int, float)) else None
+    return None
+
+
+def _fuse_traced_pairs(model: nn.Module) -> nn.Module:
+    """The pairs torch.fx proves adjacent: a batch norm called once whose output only an
+    activation uses. Returns a GraphModule with them fused, or ``model`` when it does not
+    trace or holds no such pair."""
+    try:
+        graph = _LeafBatchNormTracer().trace(model)
+    except Exception:  # control flow on values, unsupported calls: leave the model as it is
+        return model
+    modules, held = dict(model.named_modules()), _holdings(model)
+    calls: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[node.target] = calls.get(node.target, 0) + 1
+    fused: dict[str, SyncBatchNorm] = {}
+    for node in list(graph.nodes):
+        layer = modules.get(node.target) if node.op == "call_module" else None
+        if layer is None or calls[node.target] != 1 or not _fusable(layer, held) or len(node.users) != 1:
+            continue
+        act = next(iter(node.users))
+        found = _activation_of(act, node, modules)
+        if found is None:
+            continue
+        fused[node.target] = _fused_layer(layer, *found)
+        act.replace_all_uses_with(node)
+        graph.erase_node(act)
+    if not fused:
+        return model
+    graph.lint()
+    result = torch.fx.GraphModule(model, graph, class_name=type(model).__name__)
+    for target, layer in fused.items():
+        result.set_submodule(target, layer)
+    return result
+
+
+def fuse_bn_act(model: nn.Module) -> nn.Module:
+    """Fuse every batch norm -> ReLU/LeakyReLU pair of ``model`` that is provably adjacent into
+    one layer of ours with ``activation`` set (one elementwise pass each way instead of three).
+
+    First, in place, the pairs of consecutive children of an ``nn.Sequential`` (the activation's
+    slot becomes ``nn.Identity``). Then, where the model traces with ``torch.fx`` (our layers
+    as leaves), a batch norm called once whose output nothing but an activation uses (an
+    ``nn.ReLU``/``nn.LeakyReLU`` module, ``F.relu``, ``torch.relu``, ``.relu()``,
+    ``F.leaky_relu`` with a constant slope, in place or not); if there are any, a
+    ``torch.fx.GraphModule`` is returned with those fused, and ``model`` keeps its own graph.
+    Batch norms held in two places, already fused, or followed by anything else, are left as
+    they are, as is everything else. Torch's batch norms that are fused become ours (the same
+    parameters and buffers). Returns the fused model.
+    """
+    if type(model) in _ACTIVATION_MODULES or type(model) in _TO_SYNC or isinstance(model, SyncBatchNorm):
+        return model
+    _fuse_sequential_pairs(model)
+    return _fuse_traced_pairs(model)
 
 
 def name_sync_layers(module: nn.Module) -> None:

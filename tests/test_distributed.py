@@ -87,16 +87,25 @@ def train_against_full_batch(
     replicas: int = 1,
     training: bool = True,
     group=None,
+    make_ours: Callable[[nn.Module], nn.Module] = NN.convert_sync_batchnorm,
+    ref_training: bool | None = None,
 ) -> nn.Module:
     """This rank trains on its slice (``sizes[rank]`` samples) of the global batch; the reference
     trains on all of it. With ``replicas`` 1 the model runs under DDP (gradients averaged over
     the group); otherwise under ThreadedDataParallel in each process, with the parameter
-    gradients summed over the group by hand. Returns our model."""
+    gradients summed over the group by hand. Ours is ``make_ours`` of a copy of the reference
+    (made before its training flag is set to ``ref_training``, default ``training``).
+    Returns our model."""
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
     torch.manual_seed(0)
-    ref = randomize_affine(make_ref()).double().to(memory_format=memory_format).train(training)
-    ours = NN.convert_sync_batchnorm(copy.deepcopy(ref), process_group=group)
+    ref = randomize_affine(make_ref()).double().to(memory_format=memory_format)
+    ours = make_ours(copy.deepcopy(ref)).train(training)
+    ref.train(training if ref_training is None else ref_training)
+    if group is not None:
+        for layer in ours.modules():
+            if isinstance(layer, NN.SyncBatchNorm):
+                layer.process_group = group
     if replicas == 1:
         runner: nn.Module = DistributedDataParallel(ours, process_group=group, forward_sync_buffers=False)
         grad_scale, lr_scale = world, world  # DDP averages the gradients
@@ -209,6 +218,45 @@ def check_two_level(rank: int, world: int) -> None:
     train_against_full_batch(conv_bn_2d, [4, 0], (3, 2, 2), replicas=2, steps=2)  # empty process
 
 
+def check_frozen_never_communicates(rank: int, world: int) -> None:
+    # frozen: torch's layers in eval mode with trainable affine, under DDP and two-level
+    train_against_full_batch(conv_bn_2d, [4, 3], (3, 4, 5), make_ours=NN.freeze_batchnorm, ref_training=False)
+    train_against_full_batch(conv_bn_2d, [3, 2], (3, 3, 4), replicas=2, make_ours=NN.freeze_batchnorm, ref_training=False)
+    model = NN.freeze_batchnorm(conv_bn_2d().double())
+    x = torch.randn(3, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+    with count_collectives() as counts:
+        model(x).sum().backward()
+        ThreadedDataParallel(model, ["cpu"] * 2)(x).sum().backward()
+    assert counts == {}, f"frozen layers communicated: {counts}"
+
+
+def check_fused_activation(rank: int, world: int) -> None:
+    fuse = lambda model: NN.fuse_bn_act(NN.convert_sync_batchnorm(model))  # noqa: E731
+    ours = train_against_full_batch(conv_bn_2d, [4, 3], (3, 4, 5), make_ours=fuse)
+    assert ours[1].activation == "relu"
+    train_against_full_batch(conv_bn_2d, [3, 2], (3, 3, 4), replicas=2, make_ours=fuse, steps=2)
+    train_against_full_batch(ResidualBlock, [2, 3], (4, 3, 3), make_ours=ResidualBlock.fused)
+
+
+class ResidualBlock(nn.Module):
+    """relu(bn(conv(x)) + x), unfused; :meth:`fused` gives our layer the add and the relu."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if isinstance(self.bn, NN.SyncBatchNorm) and self.bn.activation == "relu":
+            return self.bn(self.conv(x), x)
+        return torch.relu(self.bn(self.conv(x)) + x)
+
+    @staticmethod
+    def fused(model: "ResidualBlock") -> nn.Module:
+        model = NN.convert_sync_batchnorm(model)
+        model.bn.activation = "relu"
+        return model
+
+
 def check_call_count_mismatch(rank: int, world: int) -> None:
     first, second = NN.SyncBatchNorm1d(4), NN.SyncBatchNorm1d(4)
     first.layer_name, second.layer_name = "first", "second"
@@ -277,6 +325,8 @@ CHECKS: dict[int, list[Callable[[int, int], None]]] = {
         check_backward_order_mismatch,
         check_dtype_mismatch,
         check_bad_input_on_one_rank,
+        check_frozen_never_communicates,
+        check_fused_activation,
     ],
     3: [check_2d_uneven_ddp, check_3d, check_1d, check_empty_rank, check_collectives_per_step],
     4: [check_subgroups],
