@@ -9,8 +9,16 @@ under ThreadedDataParallel with 2 and 4 replicas on the same total batch. It als
 device copy bandwidth and the peak memory that one forward + backward allocates (from the
 profiler's allocation events), and writes the tables into benchmarks/RESULTS.md.
 
-    python benchmarks/bench_cpu.py                 # every case, ~4 minutes on 2 cores
+A second part times frozen batch norm and the fused residual + activation, forward + backward
+(gradients for every input and parameter), against what a user runs without them:
+  - frozen: ``nn.BatchNorm2d`` in eval mode with trainable weight and bias, against ours with
+    ``frozen=True``;
+  - fused: ``nn.BatchNorm2d`` (training), ``+ z`` and ReLU run separately, against ours with
+    ``activation='relu'`` called as ``layer(x, z)``; and the same with frozen statistics.
+
+    python benchmarks/bench_cpu.py                 # every case, ~5 minutes on 2 cores
     python benchmarks/bench_cpu.py --quick         # the (32, 64, 56, 56) float32 cases only
+    python benchmarks/bench_cpu.py --part fused    # only the frozen and fused part
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.utils import benchmark
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,6 +45,7 @@ from modules.parallel import ThreadedDataParallel  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 BEGIN, END = "<!-- bench_cpu:begin -->", "<!-- bench_cpu:end -->"
+FUSED_BEGIN, FUSED_END = "<!-- bench_cpu_fused:begin -->", "<!-- bench_cpu_fused:end -->"
 
 
 @dataclass(frozen=True)
@@ -188,17 +198,11 @@ def measure_memory_in_a_fresh_process(quick: bool) -> list[str]:
 
 
 def report(times: list[str], memory: list[str], bandwidth: float, min_run_time: float, allocator: str) -> str:
-    cpu = platform.processor() or platform.machine()
     return "\n".join([
         BEGIN,
         "## CPU (`benchmarks/bench_cpu.py`)",
         "",
-        f"Machine: {os.cpu_count()}-core {cpu} VM, {torch.get_num_threads()} torch threads, no GPU; "
-        f"torch {torch.__version__}, Python {platform.python_version()}; backends {backend_info()}; "
-        f"{datetime.date.today().isoformat()}. Copy bandwidth (32x64x56x56 float32, read + write): "
-        f"{bandwidth:.1f} GB/s. Medians of `torch.utils.benchmark` blocked_autorange "
-        f"(min_run_time {min_run_time} s), in ms; ratios against `nn.BatchNorm*` in the same run; "
-        f"{allocator}.",
+        machine_line(bandwidth, min_run_time, allocator),
         "",
         "`ours x1` is our layer on one replica (the synchronized Function through the compiled "
         "kernels); `threads xR` is `ThreadedDataParallel` over R CPU replicas on the same total "
@@ -220,10 +224,90 @@ def report(times: list[str], memory: list[str], bandwidth: float, min_run_time: 
     ])
 
 
-def write_results(section: str) -> None:
+def machine_line(bandwidth: float, min_run_time: float, allocator: str) -> str:
+    cpu = platform.processor() or platform.machine()
+    return (
+        f"Machine: {os.cpu_count()}-core {cpu} VM, {torch.get_num_threads()} torch threads, no GPU; "
+        f"torch {torch.__version__}, Python {platform.python_version()}; backends {backend_info()}; "
+        f"{datetime.date.today().isoformat()}. Copy bandwidth (32x64x56x56 float32, read + write): "
+        f"{bandwidth:.1f} GB/s. Medians of `torch.utils.benchmark` blocked_autorange "
+        f"(min_run_time {min_run_time} s), in ms; ratios against torch in the same run; "
+        f"{allocator}."
+    )
+
+
+def fused_cases(quick: bool) -> list[Case]:
+    shapes = [(32, 64, 56, 56)] if quick else [(32, 64, 56, 56), (8, 256, 28, 28)]
+    dtypes = [torch.float32] if quick else [torch.float32, torch.bfloat16]
+    return [Case(s, cl, d) for s in shapes for cl in (False, True) for d in dtypes]
+
+
+class TorchUnfused(nn.Module):
+    """relu(bn(x) + z) as three ops of torch."""
+
+    def __init__(self, bn: nn.Module) -> None:
+        super().__init__()
+        self.bn = bn
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.bn(x) + z)
+
+
+def fused_contenders(C: int) -> dict[str, tuple[nn.Module, nn.Module, bool]]:
+    """name: (torch's module, ours, takes z), with equal parameters and running statistics
+    (float32, as under autocast); modules that are to be frozen are set so."""
+    frozen_torch = nn.BatchNorm2d(C).eval()  # weight and bias still require grad
+    return {
+        "frozen": (frozen_torch, NN.BatchNorm2d(C, frozen=True), False),
+        "BN+add+ReLU": (TorchUnfused(nn.BatchNorm2d(C)), NN.BatchNorm2d(C, activation="relu"), True),
+        "frozen BN+add+ReLU": (TorchUnfused(nn.BatchNorm2d(C).eval()), NN.BatchNorm2d(C, frozen=True, activation="relu"), True),
+    }
+
+
+def fused_step(model: nn.Module, x: torch.Tensor, z: torch.Tensor | None, dy: torch.Tensor) -> Callable[[], object]:
+    """Forward + backward: gradients for x (and z) and every parameter."""
+    inputs = [x, *([z] if z is not None else []), *model.parameters()]
+    args = (x,) if z is None else (x, z)
+    return lambda: torch.autograd.grad(model(*args), inputs, dy)
+
+
+def fused_rows(quick: bool, min_run_time: float) -> list[str]:
+    rows = []
+    for case in fused_cases(quick):
+        x = case.input()
+        z, dy = torch.randn_like(x).requires_grad_(), torch.randn_like(x)
+        for name, (theirs, ours, takes_z) in fused_contenders(case.shape[1]).items():
+            times = [median_ms(fused_step(m, x, z if takes_z else None, dy), min_run_time) for m in (theirs, ours)]
+            rows.append(f"| {case.label()} | {name} | {times[0]:.2f} | {times[1]:.2f} | {times[1] / times[0]:.2f}x |")
+            print(rows[-1], flush=True)
+    return rows
+
+
+def fused_report(rows: list[str], bandwidth: float, min_run_time: float, allocator: str) -> str:
+    return "\n".join([
+        FUSED_BEGIN,
+        "## CPU: frozen batch norm and fused residual + activation (`bench_cpu.py --part fused`)",
+        "",
+        machine_line(bandwidth, min_run_time, allocator),
+        "",
+        "Forward + backward (`torch.autograd.grad` for the input, the residual z where there is "
+        "one, weight and bias). `frozen`: `nn.BatchNorm2d` in eval mode with trainable weight and "
+        "bias against ours with `frozen=True` (in training mode). `BN+add+ReLU`: `nn.BatchNorm2d` "
+        "(training), `+ z` and `F.relu` run separately against ours with `activation='relu'` "
+        "called as `layer(x, z)`. `frozen BN+add+ReLU`: the same with statistics frozen (torch's in "
+        "eval mode).",
+        "",
+        "| case | what | torch, separately | ours, fused | ratio |",
+        "|---|---|---|---|---|",
+        *rows,
+        FUSED_END,
+    ])
+
+
+def write_results(section: str, begin: str = BEGIN, end: str = END) -> None:
     text = open(RESULTS).read() if os.path.exists(RESULTS) else "# Benchmark results\n"
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + section + text[text.index(end) + len(end):]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     with open(RESULTS, "w") as f:
@@ -233,6 +317,8 @@ def write_results(section: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only (32, 64, 56, 56) float32")
+    parser.add_argument("--part", choices=["all", "layers", "fused"], default="all",
+                        help="layers: nn.BatchNorm against ours and ThreadedDataParallel; fused: frozen and fused")
     parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per measurement")
     parser.add_argument("--no-write", action="store_true", help="print, do not touch RESULTS.md")
     parser.add_argument("--memory-rows", action="store_true", help=argparse.SUPPRESS)
@@ -243,11 +329,18 @@ def main() -> None:
     torch.manual_seed(0)
     allocator = "glibc malloc, freed blocks kept (see keep_freed_blocks)" if keep_freed_blocks() else "default allocator"
     bandwidth = copy_bandwidth_gbs(args.min_run_time)
-    times = time_rows(args.quick, args.min_run_time)
-    section = report(times, measure_memory_in_a_fresh_process(args.quick), bandwidth, args.min_run_time, allocator)
-    print(section)
-    if not args.no_write:
-        write_results(section)
+    sections = []
+    if args.part in ("all", "layers"):
+        times = time_rows(args.quick, args.min_run_time)
+        memory = measure_memory_in_a_fresh_process(args.quick)
+        sections.append((report(times, memory, bandwidth, args.min_run_time, allocator), BEGIN, END))
+    if args.part in ("all", "fused"):
+        rows = fused_rows(args.quick, args.min_run_time)
+        sections.append((fused_report(rows, bandwidth, args.min_run_time, allocator), FUSED_BEGIN, FUSED_END))
+    for section, begin, end in sections:
+        print(section)
+        if not args.no_write:
+            write_results(section, begin, end)
 
 
 if __name__ == "__main__":

@@ -194,8 +194,9 @@ class LaneGradPass {
         sum_g_xmu_(A::broadcast(0)) {}
 
   void add(int64_t offset, int64_t length) {
+    const GradPassData<scalar_t> d = d_;  // a local copy: stores through its pointers cannot touch it
     for (int64_t i = 0; i < length; i += A::kWidth) {
-      GradStep<scalar_t, kResidual, kActivation>::run(d_, offset + i, std::min(A::kWidth, length - i), mean_,
+      GradStep<scalar_t, kResidual, kActivation>::run(d, offset + i, std::min(A::kWidth, length - i), mean_,
                                                       scale_, shift_, slope_, sum_g_, sum_g_xmu_);
     }
   }
@@ -236,14 +237,24 @@ class RowGradPass {
         sum_g_(padded_params<acc_t>(C, A::kWidth)),
         sum_g_xmu_(sum_g_) {}
 
-  // The row starting at `offset`.
-  void add_row(int64_t offset) {
-    for (int64_t c = 0; c < C_; c += A::kWidth) {
-      auto sum_g = A::load_params(sum_g_.data() + c), sum_g_xmu = A::load_params(sum_g_xmu_.data() + c);
-      GradStep<scalar_t, kResidual, kActivation>::run(d_, offset + c, std::min(A::kWidth, C_ - c),
-                                                      A::load_params(mean_ + c), A::load_params(scale_ + c),
-                                                      A::load_params(shift_ + c), slope_, sum_g, sum_g_xmu);
-      if (d_.sums) {
+  // `count` rows from `offset` on, in blocks of rows; within a block a vector of channels at a
+  // time, its coefficients and sums in registers down the block's rows. A pass that only sums
+  // takes the piece as one block (it fits in L2); one that writes goes row by row, which
+  // measured faster for the writes (CL (32,64,56,56) float32, 1 thread: 5.2 against 7.3 ms).
+  void add_rows(int64_t offset, int64_t count) {
+    const GradPassData<scalar_t> d = d_;  // a local copy: stores through its pointers cannot touch it
+    const int64_t block = d.dx == nullptr && d.g == nullptr ? count : 1;
+    for (int64_t first = 0; first < count; first += block) {
+      const int64_t rows = std::min(block, count - first);
+      for (int64_t c = 0; c < C_; c += A::kWidth) {
+        const int64_t width = std::min(A::kWidth, C_ - c);
+        const auto mean = A::load_params(mean_ + c), scale = A::load_params(scale_ + c);
+        const auto shift = A::load_params(shift_ + c);
+        auto sum_g = A::load_params(sum_g_.data() + c), sum_g_xmu = A::load_params(sum_g_xmu_.data() + c);
+        for (int64_t r = first; r < first + rows; ++r) {
+          GradStep<scalar_t, kResidual, kActivation>::run(d, offset + r * C_ + c, width, mean, scale, shift, slope_,
+                                                          sum_g, sum_g_xmu);
+        }
         store_params(sum_g_.data() + c, sum_g);
         store_params(sum_g_xmu_.data() + c, sum_g_xmu);
       }
@@ -291,7 +302,8 @@ std::vector<Result> reduce_planar(const Layout& l, int64_t lanes, const MakeAcc&
 }
 
 // Interleaved layout: rows cut into pieces, each reduced by a fresh per-row accumulator
-// make() fed row by row (feed(acc, row)); returns the per-channel merge of the pieces.
+// make() fed the piece's rows (feed(acc, offset of the first, count)); returns the
+// per-channel merge of the pieces.
 template <typename Result, typename MakeAcc, typename Feed>
 std::vector<Result> reduce_interleaved(const Layout& l, const MakeAcc& make, const Feed& feed) {
   const int64_t threads = at::get_num_threads();
@@ -302,7 +314,7 @@ std::vector<Result> reduce_interleaved(const Layout& l, const MakeAcc& make, con
   at::parallel_for(0, pieces.count, grain, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       auto acc = make();
-      for (int64_t r = pieces.begin(p); r < pieces.end(p, l.rows()); ++r) feed(acc, r * l.C);
+      feed(acc, pieces.begin(p) * l.C, pieces.end(p, l.rows()) - pieces.begin(p));
       acc.write(parts.data() + p * l.C);
     }
   });
@@ -343,7 +355,9 @@ void local_stats_kernel(const at::Tensor& x, const Layout& l, double* mean_out, 
   if (l.interleaved) {
     moments = reduce_interleaved<Moments>(
         l, [&] { return RowWelford<scalar_t>(l.C, pivot.data()); },
-        [&](RowWelford<scalar_t>& acc, int64_t offset) { acc.add_row(data + offset); });
+        [&](RowWelford<scalar_t>& acc, int64_t offset, int64_t count) {
+          for (int64_t r = 0; r < count; ++r) acc.add_row(data + offset + r * l.C);
+        });
   } else {
     moments = reduce_planar<Moments>(l, A::kWidth, [&](int64_t c) { return LaneWelford<scalar_t>(data, pivot[c]); });
   }
@@ -373,7 +387,7 @@ std::vector<GradSums> grad_pass(const Layout& l, const GradPassData<scalar_t>& d
     using Acc = RowGradPass<scalar_t, kResidual, kActivation>;
     return reduce_interleaved<GradSums>(
         l, [&] { return Acc(d, l.C, mean.data(), scale.data(), shift.data(), slope); },
-        [&](Acc& acc, int64_t offset) { acc.add_row(offset); });
+        [&](Acc& acc, int64_t offset, int64_t count) { acc.add_rows(offset, count); });
   }
   // a run shorter than a vector still takes one update of each lane
   const int64_t lanes = std::max<int64_t>(1, l.S / ceil_div(l.S, A::kWidth));
