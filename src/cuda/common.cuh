@@ -160,9 +160,9 @@ __device__ __forceinline__ double fma_acc(double a, double b, double c) { return
 // x * scale + shift (+ residual): the activation's input, one expression for the forward and
 // for the backward's recomputation, so that both take the same side of the sign test.
 template <typename acc_t>
-__device__ __forceinline__ acc_t pre_activation(acc_t x, acc_t scale, acc_t shift, const acc_t* residual) {
+__device__ __forceinline__ acc_t pre_activation(acc_t x, acc_t scale, acc_t shift, bool has_residual, acc_t residual) {
   const acc_t p = fma_acc(x, scale, shift);
-  return residual == nullptr ? p : p + *residual;
+  return has_residual ? p + residual : p;
 }
 
 // act(p) = p where p > 0, else p * slope (nan stays nan, as torch.where(p > 0, p, p * slope)).

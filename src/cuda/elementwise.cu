@@ -33,8 +33,7 @@ struct ForwardOp {
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const State& s = st[kPerLane ? j : 0];
-      const acc_t rv = acc_t(r.val[j]);
-      acc_t p = pre_activation(acc_t(v.val[j]), s.scale, s.shift, residual == nullptr ? nullptr : &rv);
+      acc_t p = pre_activation(acc_t(v.val[j]), s.scale, s.shift, residual != nullptr, acc_t(r.val[j]));
       if (act && negative_side(p)) p *= slope;
       out.val[j] = scalar_t(p);
     }

@@ -127,8 +127,7 @@ struct AffineActOp {
       const acc_t xv = acc_t(v.val[j]);
       acc_t g = acc_t(d.val[j]);
       if (act) {
-        const acc_t rv = acc_t(r.val[j]);
-        const acc_t pre = pre_activation(xv, s.scale, s.shift, residual == nullptr ? nullptr : &rv);
+        const acc_t pre = pre_activation(xv, s.scale, s.shift, residual != nullptr, acc_t(r.val[j]));
         if (negative_side(pre)) g *= slope;
       }
       out_dx.val[j] = scalar_t(g * s.scale);
