@@ -220,10 +220,12 @@ def report(times: list[str], memory: list[str], bandwidth: float, min_run_time: 
     ])
 
 
-def write_results(section: str) -> None:
+def write_results(section: str, begin: str = BEGIN, end: str = END) -> None:
+    """Put ``section`` (which starts with ``begin`` and ends with ``end``) into RESULTS.md in
+    place of the one between those markers, or at its end."""
     text = open(RESULTS).read() if os.path.exists(RESULTS) else "# Benchmark results\n"
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + section + text[text.index(end) + len(end):]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     with open(RESULTS, "w") as f:

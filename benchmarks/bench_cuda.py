@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import platform
 import sys
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -39,8 +39,8 @@ from torch.utils import benchmark
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from functions import backend, backend_info  # noqa: E402
+from bench_cpu import Case, write_results  # noqa: E402  (benchmarks/ is on the path as a script)
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 BEGIN, END = "<!-- bench_cuda:begin -->", "<!-- bench_cuda:end -->"
 EPS = 1e-5
 PASSES = {"bn": 8, "frozen": 5, "fused": 11}
@@ -49,21 +49,9 @@ SHAPES = [(64, 256, 56, 56), (32, 64, 112, 112), (8, 256, 128, 128), (4, 2048, 6
           (64, 4, 224, 224), (256, 2048)]
 
 
-@dataclass(frozen=True)
-class Case:
-    shape: tuple[int, ...]
-    channels_last: bool
-    dtype: torch.dtype
-
-    def label(self) -> str:
-        layout = "NHWC" if self.channels_last else ("NCHW" if len(self.shape) == 4 else "(N, C)")
-        return f"{self.shape} {layout} {str(self.dtype).replace('torch.', '')}"
-
-    def bytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+def case_bytes(case: Case) -> int:
+    """Bytes of one tensor of the case's input size."""
+    return math.prod(case.shape) * torch.empty((), dtype=case.dtype).element_size()
 
 
 def cases(quick: bool) -> list[Case]:
@@ -81,7 +69,7 @@ class Rotating:
 
     def __init__(self, case: Case) -> None:
         l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20)
-        self.count = max(2, -(-4 * l2 // (3 * case.bytes())))
+        self.count = max(2, -(-4 * l2 // (3 * case_bytes(case))))
         fmt = torch.channels_last if case.channels_last else torch.contiguous_format
         make = lambda: torch.randn(case.shape, device="cuda").to(case.dtype).contiguous(memory_format=fmt)  # noqa: E731
         self.sets = [(make(), make(), make()) for _ in range(self.count)]
@@ -117,7 +105,7 @@ def step_functions(case: Case, buffers: Rotating) -> dict[str, Callable[[], obje
         y = F.batch_norm(x, running_mean, running_var, w_grad, b_grad, True, 0.1, EPS)
         torch.autograd.grad(y, [x, w_grad, b_grad], dy)
 
-    counts = torch.full((1,), float(case.bytes() // (C * buffers.sets[0][0].element_size())), device="cuda")
+    counts = torch.full((1,), float(case_bytes(case) // (C * buffers.sets[0][0].element_size())), device="cuda")
     count_int = torch.tensor([int(counts.item())], dtype=torch.int32, device="cuda")
 
     def torch_ops():
@@ -164,7 +152,7 @@ def step_functions(case: Case, buffers: Rotating) -> dict[str, Callable[[], obje
 
 
 def fraction(passes: int, case: Case, ms: float, bandwidth_gbs: float) -> float:
-    return passes * case.bytes() / (ms * 1e-3) / 1e9 / bandwidth_gbs
+    return passes * case_bytes(case) / (ms * 1e-3) / 1e9 / bandwidth_gbs
 
 
 def time_rows(quick: bool, min_run_time: float) -> list[str]:
@@ -172,7 +160,7 @@ def time_rows(quick: bool, min_run_time: float) -> list[str]:
     for case in cases(quick):
         buffers = Rotating(case)
         times = {name: median_ms(fn, min_run_time) for name, fn in step_functions(case, buffers).items()}
-        bandwidth = 2 * case.bytes() / (times["copy"] * 1e-3) / 1e9
+        bandwidth = 2 * case_bytes(case) / (times["copy"] * 1e-3) / 1e9
         cells = [case.label(), f"{bandwidth:.0f}"]
         for name in ("cudnn", "torch ops"):
             cells.append(f"{times[name]:.3f} ({fraction(8, case, times[name], bandwidth):.0%})")
@@ -212,16 +200,6 @@ def report(rows: list[str], min_run_time: float) -> str:
     ])
 
 
-def write_results(section: str) -> None:
-    text = open(RESULTS).read() if os.path.exists(RESULTS) else "# Benchmark results\n"
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    with open(RESULTS, "w") as f:
-        f.write(text)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only (64, 256, 56, 56)")
@@ -237,7 +215,7 @@ def main() -> int:
     section = report(time_rows(args.quick, args.min_run_time), args.min_run_time)
     print(section)
     if not args.no_write:
-        write_results(section)
+        write_results(section, BEGIN, END)
     return 0
 
 

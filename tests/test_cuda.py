@@ -19,6 +19,8 @@ from torch import nn
 
 from functions import ReplicaSyncError, backend, devices, sync_batch_norm
 from functions import reference as ref
+import test_kernels as kernel_tests  # its tolerances and inputs (tests/ is on the path: pytest.ini)
+from test_kernels import sum_tolerance, tolerance
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA is not available: these tests need a GPU"
@@ -58,35 +60,13 @@ LAYOUTS = [
 LAYOUT_IDS = [f"{tuple(s)}-{str(f).replace('torch.', '')}" for s, f in LAYOUTS]
 
 
-def tolerance(dtype: torch.dtype) -> dict:
-    """Elementwise results: the reference rounds once to dtype, so do we (bf16/half: one ulp)."""
-    return {
-        torch.float64: dict(atol=1e-10, rtol=1e-10),
-        torch.float32: dict(atol=1e-5, rtol=1e-5),
-        torch.bfloat16: dict(atol=2e-2, rtol=1e-2),
-        torch.float16: dict(atol=2e-3, rtol=1e-3),
-    }[dtype]
-
-
-def sum_tolerance(dtype: torch.dtype, count: int) -> dict:
-    scale = 1e-10 if dtype == torch.float64 else 1e-5
-    return dict(atol=scale * max(count, 1), rtol=scale * 10)
-
-
 def make_input(shape, memory_format, dtype, seed=0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=generator, dtype=torch.float64) * 3 + 5
-    return x.to(dtype).contiguous(memory_format=memory_format).to(DEVICE)
+    return kernel_tests.make_input(shape, memory_format, dtype, seed).to(DEVICE)
 
 
-def per_channel_args(x: torch.Tensor, weight_dtype: torch.dtype = torch.float32) -> tuple:
-    C, acc = x.size(1), ref.accumulation_dtype(x.dtype)
-    generator = torch.Generator().manual_seed(1)
-    mean = (torch.randn(C, generator=generator, dtype=torch.float64) + 5).to(acc)
-    invstd = (torch.rand(C, generator=generator, dtype=torch.float64) + 0.5).to(acc)
-    weight = torch.randn(C, generator=generator).to(weight_dtype)
-    bias = torch.randn(C, generator=generator).to(weight_dtype)
-    return tuple(t.to(DEVICE) for t in (mean, invstd, weight, bias))
+def per_channel_args(x: torch.Tensor) -> tuple:
+    """mean and invstd in the accumulation dtype, float32 weight and bias (as under autocast)."""
+    return tuple(t.to(DEVICE) for t in kernel_tests.per_channel_args(x))
 
 
 def expected_stride(x: torch.Tensor) -> tuple:
@@ -106,7 +86,7 @@ def assert_all_ops_match(x: torch.Tensor) -> None:
     n, mean, m2 = OPS.local_stats(x)
     n_ref, mean_ref, m2_ref = ref.local_stats(x)
     assert n == n_ref and mean.dtype == m2.dtype == torch.float64 and mean.device == x.device
-    stats_tol = dict(atol=1e-10, rtol=1e-10) if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-5)
+    stats_tol = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mean, mean_ref, **stats_tol)
     torch.testing.assert_close(m2, m2_ref, atol=stats_tol["atol"] * max(count, 1), rtol=stats_tol["rtol"])
 

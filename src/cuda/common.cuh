@@ -28,6 +28,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
+#include <tuple>
 #include <utility>
 
 namespace syncbn::cuda {
@@ -491,10 +493,37 @@ at::Tensor coefficients(const at::Tensor& mean, const at::Tensor& invstd, const 
   return out;
 }
 
-// An optional (C,) tensor as acc (undefined when absent).
-inline at::Tensor optional_per_channel(const std::optional<at::Tensor>& v, const at::Tensor& x, int64_t C,
-                                       at::ScalarType acc, const char* what) {
-  return v.has_value() && v->defined() ? per_channel(*v, x, C, acc, what) : at::Tensor();
-}
+// What every operation starts from: its input checked, a guard for the input's device, x in
+// its layout, dy (when given) laid out as x, and per-channel tensors as contiguous acc tensors.
+class Operands {
+ public:
+  Operands(const char* op, const at::Tensor& input, const at::Tensor* grad_output = nullptr)
+      : guard_((check_input(input, op), input.device())) {
+    std::tie(x, l) = as_layout(input);
+    acc = accumulation_type(x.scalar_type());
+    if (grad_output != nullptr) {
+      check_same_dtype(*grad_output, input, op);
+      dy = like_layout(*grad_output, x, "grad_output");
+    }
+  }
+
+  at::Tensor channel(const at::Tensor& v, const char* what) const { return per_channel(v, x, l.C, acc, what); }
+  // undefined when absent
+  at::Tensor channel(const std::optional<at::Tensor>& v, const char* what) const {
+    return v.has_value() && v->defined() ? channel(*v, what) : at::Tensor();
+  }
+  // a residual in x's dtype and layout (undefined when absent)
+  at::Tensor like_x(const std::optional<at::Tensor>& v, const char* what) const {
+    return v.has_value() && v->defined() ? like_layout(v->to(x.scalar_type()), x, what) : at::Tensor();
+  }
+
+ private:
+  c10::cuda::CUDAGuard guard_;  // first: every tensor below is made on the input's device
+
+ public:
+  at::Tensor x, dy;
+  Layout l{};
+  at::ScalarType acc{};
+};
 
 }  // namespace syncbn::cuda

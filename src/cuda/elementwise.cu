@@ -79,16 +79,11 @@ struct BackwardElemtOp {
 at::Tensor elemt_forward(const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
                          const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& residual, std::optional<double> negative_slope) {
-  check_input(input, "elemt_forward");
-  c10::cuda::CUDAGuard guard(input.device());
-  const auto [x, l] = as_layout(input);
-  const auto acc = accumulation_type(x.scalar_type());
-  const auto m = per_channel(mean, x, l.C, acc, "mean");
-  const auto s = per_channel(invstd, x, l.C, acc, "invstd");
-  const auto w = optional_per_channel(weight, x, l.C, acc, "weight");
-  const auto b = optional_per_channel(bias, x, l.C, acc, "bias");
-  at::Tensor r;
-  if (residual.has_value() && residual->defined()) r = like_layout(residual->to(x.scalar_type()), x, "residual");
+  const Operands o("elemt_forward", input);
+  const auto& [x, l] = std::tie(o.x, o.l);
+  const auto m = o.channel(mean, "mean"), s = o.channel(invstd, "invstd");
+  const auto w = o.channel(weight, "weight"), b = o.channel(bias, "bias");
+  const auto r = o.like_x(residual, "residual");
   auto y = at::empty_like(x);
   if (l.numel() == 0) return y;
   const auto stream = c10::cuda::getCurrentCUDAStream();
@@ -110,20 +105,13 @@ at::Tensor elemt_forward(const at::Tensor& input, const at::Tensor& mean, const 
 at::Tensor backward_elemt(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
                           const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
                           const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu, int64_t count) {
-  check_input(input, "backward_elemt");
-  check_same_dtype(grad_output, input, "backward_elemt");
-  c10::cuda::CUDAGuard guard(input.device());
-  const auto [x, l] = as_layout(input);
-  const auto dy = like_layout(grad_output, x, "grad_output");
+  const Operands o("backward_elemt", input, &grad_output);
+  const auto& [x, dy, l] = std::tie(o.x, o.dy, o.l);
   auto dx = at::empty_like(x);
   if (l.numel() == 0) return dx;
   TORCH_CHECK(count > 0, "syncbn.cuda.backward_elemt: the batch count must be positive, got ", count);
-  const auto acc = accumulation_type(x.scalar_type());
-  const auto m = per_channel(mean, x, l.C, acc, "mean");
-  const auto s = per_channel(invstd, x, l.C, acc, "invstd");
-  const auto w = optional_per_channel(weight, x, l.C, acc, "weight");
-  const auto sdy = per_channel(sum_dy, x, l.C, acc, "sum_dy");
-  const auto sdx = per_channel(sum_dy_xmu, x, l.C, acc, "sum_dy_xmu");
+  const auto m = o.channel(mean, "mean"), s = o.channel(invstd, "invstd"), w = o.channel(weight, "weight");
+  const auto sdy = o.channel(sum_dy, "sum_dy"), sdx = o.channel(sum_dy_xmu, "sum_dy_xmu");
   const auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_cuda_backward_elemt", [&] {
     using acc_t = at::opmath_type<scalar_t>;

@@ -156,9 +156,9 @@ struct AffineActOp {
 }  // namespace
 
 std::tuple<int64_t, at::Tensor, at::Tensor> local_stats(const at::Tensor& input) {
-  check_input(input, "local_stats");
-  c10::cuda::CUDAGuard guard(input.device());
-  const auto [x, l] = as_layout(input);
+  const Operands o("local_stats", input);
+  const auto& x = o.x;
+  const auto& l = o.l;
   const auto options = input.options().dtype(at::kDouble);
   if (l.rows() == 0 || l.C == 0) return {0, at::zeros({l.C}, options), at::zeros({l.C}, options)};
   auto mean = at::empty({l.C}, options), m2 = at::empty({l.C}, options);
@@ -173,13 +173,9 @@ std::tuple<int64_t, at::Tensor, at::Tensor> local_stats(const at::Tensor& input)
 
 std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& grad_output, const at::Tensor& input,
                                                    const at::Tensor& mean) {
-  check_input(input, "backward_reduce");
-  check_same_dtype(grad_output, input, "backward_reduce");
-  c10::cuda::CUDAGuard guard(input.device());
-  const auto [x, l] = as_layout(input);
-  const auto dy = like_layout(grad_output, x, "grad_output");
-  const auto acc = accumulation_type(x.scalar_type());
-  const auto m = per_channel(mean, x, l.C, acc, "mean");
+  const Operands o("backward_reduce", input, &grad_output);
+  const auto& [x, dy, l] = std::tie(o.x, o.dy, o.l);
+  const auto m = o.channel(mean, "mean");
   if (l.numel() == 0) return {at::zeros_like(mean), at::zeros_like(mean)};
   auto sums = at::empty({2, l.C}, m.options());
   const auto stream = c10::cuda::getCurrentCUDAStream();
@@ -198,21 +194,12 @@ backward_affine_act(const at::Tensor& grad_output, const at::Tensor& input, cons
                     const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
                     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
                     std::optional<double> negative_slope, bool input_grad, bool residual_grad, bool sums) {
-  check_input(input, "backward_affine_act");
-  check_same_dtype(grad_output, input, "backward_affine_act");
-  c10::cuda::CUDAGuard guard(input.device());
-  const auto [x, l] = as_layout(input);
-  const auto dy = like_layout(grad_output, x, "grad_output");
-  const auto acc = accumulation_type(x.scalar_type());
-  const auto m = per_channel(mean, x, l.C, acc, "mean");
-  const auto s = per_channel(invstd, x, l.C, acc, "invstd");
-  const auto w = optional_per_channel(weight, x, l.C, acc, "weight");
-  const auto b = optional_per_channel(bias, x, l.C, acc, "bias");
+  const Operands o("backward_affine_act", input, &grad_output);
+  const auto& [x, dy, l] = std::tie(o.x, o.dy, o.l);
+  const auto m = o.channel(mean, "mean"), s = o.channel(invstd, "invstd");
+  const auto w = o.channel(weight, "weight"), b = o.channel(bias, "bias");
   const bool act = negative_slope.has_value();
-  at::Tensor r;
-  if (act && residual.has_value() && residual->defined()) {
-    r = like_layout(residual->to(x.scalar_type()), x, "residual");
-  }
+  const auto r = act ? o.like_x(residual, "residual") : at::Tensor();  // no activation: not read
   std::optional<at::Tensor> dx, g, sum_g, sum_g_xmu;
   if (input_grad) dx = at::empty_like(x);
   // without an activation g is dy itself (as the reference's g.to(dy.dtype) is)
