@@ -139,7 +139,7 @@ def test_strides_of_neither_layout_and_misaligned_data(dtype) -> None:
     # contiguous, but 1 element past a 16-byte boundary: every access scalar
     flat = torch.empty(x.numel() + 1, dtype=dtype, device=DEVICE)
     views.append(flat[1:].view(x.shape).copy_(x))
-    cl = torch.empty(x.numel() + 1, dtype=dtype, device=DEVICE)[1:]
+    cl = torch.empty(6 * 8 * 8 * 8 + 1, dtype=dtype, device=DEVICE)[1:]  # channels_last, misaligned
     views.append(cl.as_strided((6, 8, 8, 8), (512, 1, 64, 8)).copy_(make_input((6, 8, 8, 8), torch.channels_last, dtype)))
     for view in views:
         assert_all_ops_match(view)

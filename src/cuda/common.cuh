@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <numeric>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -278,16 +279,18 @@ __global__ void elementwise_kernel(Op op, int64_t packs, int64_t inner, int64_t 
   if (k >= packs) return;
   int64_t s = k % inner, c = (k / inner) % outer;
   const int64_t ds = stride % inner, dc = (stride / inner) % outer;
+  // the channel states, loaded again only when the channel (group) changes: never where the
+  // stride is a multiple of the groups (run_elementwise arranges that for interleaved layouts)
+  constexpr int kStates = kInterleaved ? V : 1;
+  typename Op::State st[kStates];
+  int64_t loaded = -1;
   for (; k < packs; k += stride) {
-    if constexpr (kInterleaved) {
-      typename Op::State st[V];
+    if (c != loaded) {
 #pragma unroll
-      for (int j = 0; j < V; ++j) st[j] = op.channel(c * V + j);
-      op.template item<V, true>(k * V, st);
-    } else {
-      const typename Op::State st = op.channel(c);
-      op.template item<V, false>(k * V, &st);
+      for (int j = 0; j < kStates; ++j) st[j] = op.channel(kInterleaved ? c * V + j : c);
+      loaded = c;
     }
+    op.template item<V, kInterleaved>(k * V, st);
     s += ds;
     c += dc;
     if (s >= inner) {
@@ -302,8 +305,12 @@ template <typename Op, int V>
 void run_elementwise(const Op& op, const Layout& l, cudaStream_t stream) {
   const int64_t packs = l.numel() / V;
   if (packs == 0) return;
-  const int64_t blocks = std::min<int64_t>(ceil_div(packs, kThreads), int64_t(multiprocessors()) * 8 * kBlocksPerSM);
+  const int64_t cap = int64_t(multiprocessors()) * 8 * kBlocksPerSM;
+  int64_t blocks = std::min<int64_t>(ceil_div(packs, kThreads), cap);
   if (l.interleaved) {
+    // a grid stride that is a multiple of the channel groups: each thread keeps its channels
+    const int64_t groups = l.C / V, period = groups / std::gcd<int64_t>(groups, kThreads);
+    if (period <= 4 * cap) blocks = ceil_div(blocks, period) * period;
     elementwise_kernel<Op, V, true><<<blocks, kThreads, 0, stream>>>(op, packs, 1, l.C / V);
   } else {
     elementwise_kernel<Op, V, false><<<blocks, kThreads, 0, stream>>>(op, packs, l.S / V, l.C);
