@@ -64,5 +64,5 @@ if ! "$CXX" -fsyntax-only -x c++ src/cuda/bindings.cpp -Isrc -I"$CUDA_INCLUDE" \
 else
   echo "check_cuda: ok     src/cuda/bindings.cpp (g++ -fsyntax-only)"
 fi
-echo "check_cuda: ${#FILES[@]} .cu files in $(( $(date +%s) - start )) s"
+echo "check_cuda: ${#FILES[@]} .cu files and the bindings in $(( $(date +%s) - start )) s"
 exit $status
