@@ -8,6 +8,12 @@ comma-separated list (``DEFAULT,AVX2,AVX512``) to build for other machines too: 
 best one that the running CPU supports is loaded, so no unsupported instruction ever runs.
 ``CXX`` and ``MAX_JOBS`` are honoured as by every torch extension.
 
+The CUDA kernels (``src/cuda``) are built as ``functions/_C_cuda`` only where torch is a CUDA
+build (``torch.version.cuda``) and a CUDA toolkit is found (``CUDA_HOME``); elsewhere they are
+skipped with one line on stderr. ``TORCH_CUDA_ARCH_LIST`` is honoured; without it, the visible
+GPUs' architectures, else ``7.5;8.0;9.0+PTX`` (CUDA 13 has no sm_70). No ``--use_fast_math``:
+the kernels rely on IEEE division, rounding and the sign of their results.
+
 Build in place with ``./make_ext.sh``, or install with ``pip install --no-build-isolation .``
 (torch must already be installed: the extension is built against it).
 """
@@ -20,7 +26,7 @@ from glob import glob
 from setuptools import setup
 
 import torch
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -68,6 +74,38 @@ def extension(capability: str) -> CppExtension:
     )
 
 
+DEFAULT_CUDA_ARCHS = "7.5;8.0;9.0+PTX"
+
+
+def set_cuda_arch_list() -> None:
+    """TORCH_CUDA_ARCH_LIST (read by torch's build) when not given: the architectures of the
+    visible GPUs, else DEFAULT_CUDA_ARCHS."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return
+    if torch.cuda.is_available():
+        capabilities = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(f"{major}.{minor}" for major, minor in capabilities)
+    else:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
+
+
+def cuda_extensions() -> list[CUDAExtension]:
+    """functions._C_cuda where torch is a CUDA build and a toolkit is found, else none."""
+    if not torch.version.cuda or CUDA_HOME is None:
+        why = "torch is not a CUDA build" if not torch.version.cuda else "no CUDA toolkit found (CUDA_HOME)"
+        print(f"syncbn: not building the CUDA kernels: {why}", file=sys.stderr)
+        return []
+    set_cuda_arch_list()
+    return [
+        CUDAExtension(
+            name="functions._C_cuda",
+            sources=sources("src/cuda/*.cu", "src/cuda/bindings.cpp"),
+            include_dirs=[os.path.join(ROOT, "src")],
+            extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
+        )
+    ]
+
+
 setup(
     name="syncbn",
     version="0.1.0",
@@ -75,6 +113,6 @@ setup(
     packages=["functions", "modules"],
     python_requires=">=3.9",
     install_requires=["torch>=2.4"],
-    ext_modules=[extension(capability) for capability in cpu_capabilities()],
+    ext_modules=[*(extension(capability) for capability in cpu_capabilities()), *cuda_extensions()],
     cmdclass={"build_ext": BuildExtension},
 )

@@ -305,6 +305,8 @@ def fused_report(rows: list[str], bandwidth: float, min_run_time: float, allocat
 
 
 def write_results(section: str, begin: str = BEGIN, end: str = END) -> None:
+    """Put ``section`` (which starts with ``begin`` and ends with ``end``) into RESULTS.md in
+    place of the one between those markers, or at its end."""
     text = open(RESULTS).read() if os.path.exists(RESULTS) else "# Benchmark results\n"
     if begin in text and end in text:
         text = text[: text.index(begin)] + section + text[text.index(end) + len(end):]

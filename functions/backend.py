@@ -1,11 +1,14 @@
-"""The backend seam: which kernels serve the five batch-norm operations on a device.
+"""The backend seam: which kernels serve the batch-norm operations on a device.
 
 A backend is a :class:`Kernels` record of callables with the signatures of
 :mod:`functions.reference`. CPU tensors go to the compiled kernels (``src/cpu``, built into
 ``functions/_C_<capability>`` by ``setup.py``) where they are built for an instruction set that
 this CPU has, else to the pure-PyTorch reference (with one warning). On CUDA tensors the
-elementwise and backward operations go to PyTorch's own SyncBN CUDA ops. ``SYNCBN_KERNELS=reference``
-in the environment forces the reference everywhere (to debug, or to test it).
+elementwise and backward operations go to PyTorch's own SyncBN CUDA ops by default; our CUDA kernels
+(``src/cuda``, built into ``functions/_C_cuda`` where torch is a CUDA build and a toolkit is found)
+serve them only with ``SYNCBN_CUDA_KERNELS=compiled`` in the environment (opt-in until they have
+passed the suite on a GPU). ``SYNCBN_KERNELS=reference`` in the environment forces the reference
+everywhere (to debug, or to test it).
 """
 from __future__ import annotations
 
@@ -25,6 +28,11 @@ from . import reference
 CPU_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")
 FORCE_REFERENCE = os.environ.get("SYNCBN_KERNELS", "").lower() == "reference"
 BUILD_HINT = "build them with `./make_ext.sh` or `pip install --no-build-isolation -e .`"
+CUDA_OPT_IN = os.environ.get("SYNCBN_CUDA_KERNELS", "").lower() == "compiled"
+CUDA_BUILD_HINT = (
+    "build them where torch is a CUDA build and the CUDA toolkit (nvcc, CUDA_HOME) is installed, "
+    "with `./make_ext.sh` or `pip install --no-build-isolation -e .`"
+)
 
 
 @dataclass(frozen=True)
@@ -125,11 +133,30 @@ def load_compiled() -> ModuleType | None:
     return None
 
 
-def compiled_kernels(ops: ModuleType, name: str) -> Kernels:
-    """A :class:`Kernels` record of one device's submodule of the compiled extension."""
+def load_compiled_cuda() -> ModuleType | None:
+    """The compiled CUDA extension ``functions._C_cuda``, or None where it was not built (or
+    ``SYNCBN_KERNELS=reference``). Silent unless ``SYNCBN_CUDA_KERNELS=compiled`` asks for it: then
+    one warning says that torch's CUDA ops serve instead, and how to build."""
+    if FORCE_REFERENCE:
+        return None
+    try:
+        return importlib.import_module("._C_cuda", __package__)
+    except ImportError as error:
+        if CUDA_OPT_IN:
+            warnings.warn(
+                f"syncbn: SYNCBN_CUDA_KERNELS=compiled, but the compiled CUDA kernels are missing "
+                f"({error}); torch's CUDA ops serve CUDA tensors: {CUDA_BUILD_HINT}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return None
+
+
+def compiled_kernels(ops: ModuleType, name: str, serves_single_device: bool = True) -> Kernels:
+    """A :class:`Kernels` record of one device's (sub)module of a compiled extension."""
     return Kernels(
         name=name,
-        serves_single_device=True,
+        serves_single_device=serves_single_device,
         local_stats=ops.local_stats,
         merge_stats=ops.merge_stats,
         elemt_forward=ops.elemt_forward,
@@ -140,8 +167,13 @@ def compiled_kernels(ops: ModuleType, name: str) -> Kernels:
 
 
 COMPILED = load_compiled()
+COMPILED_CUDA = load_compiled_cuda()
+# Not yet verified on a GPU: opt-in, and not for a lone replica (cuDNN serves it).
+COMPILED_CUDA_KERNELS = None if COMPILED_CUDA is None else compiled_kernels(COMPILED_CUDA, "compiled-cuda", False)
 
 _BY_DEVICE_TYPE: dict[str, Kernels] = {} if FORCE_REFERENCE else {"cuda": TORCH_CUDA}
+if CUDA_OPT_IN and COMPILED_CUDA_KERNELS is not None:
+    _BY_DEVICE_TYPE["cuda"] = COMPILED_CUDA_KERNELS
 if COMPILED is not None:
     _BY_DEVICE_TYPE["cpu"] = compiled_kernels(COMPILED.cpu, f"compiled-cpu-{COMPILED.cpu.capability.lower()}")
 
@@ -152,6 +184,6 @@ def kernels_for(device: torch.device) -> Kernels:
 
 
 def backend_info() -> dict[str, str]:
-    """Which backend serves which device type, e.g. ``{'cpu': 'reference', 'cuda': ...}``."""
-    types = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
-    return {t: kernels_for(torch.device(t)).name for t in types}
+    """Which backend serves which device type, e.g. ``{'cpu': 'compiled-cpu-avx2', 'cuda':
+    'torch-cuda-ops'}`` (CUDA is listed whether or not a GPU is visible)."""
+    return {t: kernels_for(torch.device(t)).name for t in ("cpu", "cuda")}

@@ -1,0 +1,223 @@
+"""CUDA benchmark: our CUDA kernels (``functions._C_cuda``) against cuDNN's batch norm and torch's
+SyncBN kernel sequence, as fractions of the device's copy bandwidth.
+
+For each case (shape, layout, dtype) it times, with torch.utils.benchmark in one run:
+  - copy: ``y.copy_(x)`` of the case's input (the bandwidth every fraction is taken of);
+  - cudnn: ``F.batch_norm`` in training mode + ``torch.autograd.grad`` for input, weight, bias;
+  - torch ops: torch's SyncBN sequence on one replica (``batch_norm_stats``,
+    ``batch_norm_gather_stats_with_counts``, ``batch_norm_elemt``, ``batch_norm_backward_reduce``,
+    ``batch_norm_backward_elemt``);
+  - ours: the same sequence through our kernels (``local_stats``, the merge, ``elemt_forward``,
+    ``backward_reduce``, ``backward_elemt``);
+  - ours frozen (issue 6): ``elemt_forward`` + ``backward_affine_act`` (dx and the sums);
+  - ours fused BN+ReLU+add (issue 6): ``local_stats``, ``elemt_forward`` with residual and ReLU,
+    ``backward_affine_act`` (g and its sums), ``backward_elemt`` of g.
+Traffic models (passes over a tensor of the input's size): batch norm forward+backward 8
+(forward reads x twice and writes y; backward reads dy and x twice and writes dx); frozen 5
+(forward 2, backward 3); fused 11 (forward 4: x for the statistics, x and z, y; backward 7: dy,
+x, z and g, then g, x and dx). Inputs rotate over enough buffers that together they are at
+least 4x the L2 cache, so that L2 does not flatter small cases.
+
+    python benchmarks/bench_cuda.py                # every case; writes benchmarks/RESULTS.md
+    python benchmarks/bench_cuda.py --quick        # (64, 256, 56, 56) only
+
+Where CUDA is not available it says so and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import sys
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils import benchmark
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from functions import backend, backend_info  # noqa: E402
+from bench_cpu import Case, write_results  # noqa: E402  (benchmarks/ is on the path as a script)
+
+BEGIN, END = "<!-- bench_cuda:begin -->", "<!-- bench_cuda:end -->"
+EPS = 1e-5
+PASSES = {"bn": 8, "frozen": 5, "fused": 11}
+
+SHAPES = [(64, 256, 56, 56), (32, 64, 112, 112), (8, 256, 128, 128), (4, 2048, 64, 64), (32, 2048, 7, 7),
+          (64, 4, 224, 224), (256, 2048)]
+
+
+def case_bytes(case: Case) -> int:
+    """Bytes of one tensor of the case's input size."""
+    return math.prod(case.shape) * torch.empty((), dtype=case.dtype).element_size()
+
+
+def cases(quick: bool) -> list[Case]:
+    out = []
+    for shape in SHAPES[:1] if quick else SHAPES:
+        for dtype in (torch.float32, torch.bfloat16):
+            for channels_last in (False, True) if len(shape) == 4 else (False,):
+                out.append(Case(shape, channels_last, dtype))
+    return out
+
+
+class Rotating:
+    """``count`` independent sets of (x, dy, z) handed out in turn: each call of ``next()`` gives
+    the next set, so that one timing loop never finds its input in L2."""
+
+    def __init__(self, case: Case) -> None:
+        l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20)
+        self.count = max(2, -(-4 * l2 // (3 * case_bytes(case))))
+        fmt = torch.channels_last if case.channels_last else torch.contiguous_format
+        make = lambda: torch.randn(case.shape, device="cuda").to(case.dtype).contiguous(memory_format=fmt)  # noqa: E731
+        self.sets = [(make(), make(), make()) for _ in range(self.count)]
+        self.i = 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.i = (self.i + 1) % self.count
+        return self.sets[self.i]
+
+
+def median_ms(fn: Callable[[], object], min_run_time: float) -> float:
+    fn()  # warm up (and the allocator)
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn})
+    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
+
+
+def step_functions(case: Case, buffers: Rotating) -> dict[str, Callable[[], object]]:
+    C = case.shape[1]
+    weight = torch.rand(C, device="cuda") + 0.5
+    bias = torch.randn(C, device="cuda")
+    running_mean, running_var = torch.zeros(C, device="cuda"), torch.ones(C, device="cuda")
+    ops = backend.COMPILED_CUDA
+
+    def copy():
+        x, y, _ = buffers.next()
+        y.copy_(x)
+
+    w_grad, b_grad = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+
+    def cudnn():
+        x, dy, _ = buffers.next()
+        x = x.detach().requires_grad_()
+        y = F.batch_norm(x, running_mean, running_var, w_grad, b_grad, True, 0.1, EPS)
+        torch.autograd.grad(y, [x, w_grad, b_grad], dy)
+
+    counts = torch.full((1,), float(case_bytes(case) // (C * buffers.sets[0][0].element_size())), device="cuda")
+    count_int = torch.tensor([int(counts.item())], dtype=torch.int32, device="cuda")
+
+    def torch_ops():
+        x, dy, _ = buffers.next()
+        mean, invstd = torch.batch_norm_stats(x, EPS)
+        mean, invstd = torch.batch_norm_gather_stats_with_counts(
+            x, mean.unsqueeze(0), invstd.unsqueeze(0), running_mean, running_var, 0.1, EPS, counts)
+        torch.batch_norm_elemt(x, weight, bias, mean, invstd, EPS)
+        sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(dy, x, mean, invstd, weight, True, True, True)
+        torch.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count_int)
+
+    functions = {"copy": copy, "cudnn": cudnn, "torch ops": torch_ops}
+    if ops is None:
+        return functions
+
+    def stats(x):
+        n, mean, m2 = ops.local_stats(x)
+        var = m2 / n
+        return n, mean.float(), torch.rsqrt(var + EPS).float()
+
+    def ours():
+        x, dy, _ = buffers.next()
+        n, mean, invstd = stats(x)
+        ops.elemt_forward(x, mean, invstd, weight, bias)
+        sum_dy, sum_dy_xmu = ops.backward_reduce(dy, x, mean)
+        ops.backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, n)
+
+    frozen_mean, frozen_invstd = torch.zeros(C, device="cuda"), torch.ones(C, device="cuda")
+
+    def frozen():
+        x, dy, _ = buffers.next()
+        ops.elemt_forward(x, frozen_mean, frozen_invstd, weight, bias)
+        ops.backward_affine_act(dy, x, frozen_mean, frozen_invstd, weight, bias, None, None, True, False, True)
+
+    def fused():
+        x, dy, z = buffers.next()
+        n, mean, invstd = stats(x)
+        ops.elemt_forward(x, mean, invstd, weight, bias, z, 0.0)
+        _, g, sum_g, sum_g_xmu = ops.backward_affine_act(dy, x, mean, invstd, weight, bias, z, 0.0, False, True, True)
+        ops.backward_elemt(g, x, mean, invstd, weight, sum_g, sum_g_xmu, n)
+
+    functions.update({"ours": ours, "ours frozen": frozen, "ours fused": fused})
+    return functions
+
+
+def fraction(passes: int, case: Case, ms: float, bandwidth_gbs: float) -> float:
+    return passes * case_bytes(case) / (ms * 1e-3) / 1e9 / bandwidth_gbs
+
+
+def time_rows(quick: bool, min_run_time: float) -> list[str]:
+    rows = []
+    for case in cases(quick):
+        buffers = Rotating(case)
+        times = {name: median_ms(fn, min_run_time) for name, fn in step_functions(case, buffers).items()}
+        bandwidth = 2 * case_bytes(case) / (times["copy"] * 1e-3) / 1e9
+        cells = [case.label(), f"{bandwidth:.0f}"]
+        for name in ("cudnn", "torch ops"):
+            cells.append(f"{times[name]:.3f} ({fraction(8, case, times[name], bandwidth):.0%})")
+        if "ours" in times:
+            t = times["ours"]
+            cells.append(f"{t:.3f} ({fraction(8, case, t, bandwidth):.0%})")
+            cells.append(f"{t / times['torch ops']:.2f}x / {t / times['cudnn']:.2f}x")
+            cells.append(f"{times['ours frozen']:.3f} ({fraction(5, case, times['ours frozen'], bandwidth):.0%})")
+            cells.append(f"{times['ours fused']:.3f} ({fraction(11, case, times['ours fused'], bandwidth):.0%})")
+        else:
+            cells += ["not built"] * 4
+        rows.append("| " + " | ".join(cells) + " |")
+        print(rows[-1], flush=True)
+        del buffers
+        torch.cuda.empty_cache()
+    return rows
+
+
+def report(rows: list[str], min_run_time: float) -> str:
+    props = torch.cuda.get_device_properties(0)
+    return "\n".join([
+        BEGIN,
+        "## CUDA (`benchmarks/bench_cuda.py`)",
+        "",
+        f"Device: {props.name} ({props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs); "
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}), Python {platform.python_version()}; "
+        f"backends {backend_info()}; {datetime.date.today().isoformat()}. Medians of "
+        f"`torch.utils.benchmark` blocked_autorange (min_run_time {min_run_time} s), in ms, forward + "
+        "backward; in parentheses the fraction of the copy bandwidth (GB/s, `y.copy_(x)` of the "
+        "same size, same run) that the traffic model implies: 8 passes for batch norm, 5 frozen, "
+        "11 fused BN+ReLU+add. Inputs rotate over buffers of 4x the L2 size.",
+        "",
+        "| case | copy GB/s | cuDNN | torch SyncBN ops | ours | ours vs ops / cuDNN | ours frozen | ours fused |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+        END,
+    ])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="only (64, 256, 56, 56)")
+    parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per measurement")
+    parser.add_argument("--no-write", action="store_true", help="print, do not touch RESULTS.md")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_cuda: CUDA is not available (no GPU, or a CPU build of torch): nothing to measure")
+        return 0
+    if backend.COMPILED_CUDA is None:
+        print(f"bench_cuda: functions._C_cuda is not built; timing torch's kernels only ({backend.CUDA_BUILD_HINT})")
+    torch.manual_seed(0)
+    section = report(time_rows(args.quick, args.min_run_time), args.min_run_time)
+    print(section)
+    if not args.no_write:
+        write_results(section, BEGIN, END)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+// Per-channel reductions on CUDA: local statistics (count, mean, M2), the backward sums
+// (sum_dy, sum_dy_xmu), and the one-pass backward of the affine transform and activation
+// (dx, g and their sums); plus the merge of replicas' statistics.
+//
+// Values accumulate per thread in the accumulation type (float for float32, bfloat16 and
+// float16; double for float64), at most kMaxItemsPerThread packs per thread and split; warps
+// merge with shuffles, blocks through shared memory, and splits in float64 (common.cuh).
+// Welford runs on values shifted by a pivot (the channel's first value, 0 where that is not
+// finite), so a float32 running mean carries the data's spread, not its offset.
+#include "batch_norm_cuda.h"
+#include "common.cuh"
+
+#include <limits>
+
+namespace syncbn::cuda {
+namespace {
+
+template <typename scalar_t>
+struct StatsOp {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Acc = Welford<acc_t>;
+  using Partial = Welford<double>;
+  using State = acc_t;  // the pivot
+
+  const scalar_t* x;
+  int64_t first_stride;  // x[c * first_stride] is channel c's first value: S planar, 1 interleaved
+  double* mean;
+  double* m2;
+
+  __device__ __forceinline__ acc_t channel(int64_t c) const {
+    const acc_t first = acc_t(x[c * first_stride]);
+    return isfinite(first) ? first : acc_t(0);
+  }
+
+  template <int V, bool kPerLane>
+  __device__ __forceinline__ void item(int64_t i, const State* pivot, Acc* acc) const {
+    const auto v = load_pack<V>(x, i);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int k = kPerLane ? j : 0;
+      acc[k].add(acc_t(v.val[j]) - pivot[k]);
+    }
+  }
+
+  __device__ __forceinline__ void finish(int64_t c, const Partial& t) const {
+    const double pivot = double(channel(c));
+    const double m = pivot + t.mean;
+    if (isfinite(m)) {
+      mean[c] = m;
+      m2[c] = t.m2;
+    } else {  // inf or nan in the channel: torch's mean (inf stays inf), and M2 nan
+      mean[c] = pivot + t.sum / t.n;
+      m2[c] = __longlong_as_double(0x7ff8000000000000LL);
+    }
+  }
+};
+
+template <typename scalar_t>
+struct GradSumsOp {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Acc = Sums<acc_t>;
+  using Partial = Sums<double>;
+  using State = acc_t;  // the channel's mean
+
+  const scalar_t* dy;
+  const scalar_t* x;
+  const acc_t* mean;
+  acc_t* sum_dy;
+  acc_t* sum_dy_xmu;
+
+  __device__ __forceinline__ acc_t channel(int64_t c) const { return mean[c]; }
+
+  template <int V, bool kPerLane>
+  __device__ __forceinline__ void item(int64_t i, const State* m, Acc* acc) const {
+    const auto g = load_pack<V>(dy, i);
+    const auto v = load_pack<V>(x, i);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int k = kPerLane ? j : 0;
+      const acc_t d = acc_t(g.val[j]);
+      acc[k].add(d, d * (acc_t(v.val[j]) - m[k]));
+    }
+  }
+
+  __device__ __forceinline__ void finish(int64_t c, const Partial& t) const {
+    sum_dy[c] = acc_t(t.a);
+    sum_dy_xmu[c] = acc_t(t.b);
+  }
+};
+
+// g = dy * act'(pre); dx = g * scale; sum(g), sum(g * (x - mean)). Serves both frameworks:
+// item(i, st) elementwise (no sums), item(i, st, acc) as a reduction.
+template <typename scalar_t>
+struct AffineActOp {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Acc = Sums<acc_t>;
+  using Partial = Sums<double>;
+  struct State {
+    acc_t mean, scale, shift;
+  };
+
+  const scalar_t* dy;
+  const scalar_t* x;
+  const scalar_t* residual;  // null: none
+  scalar_t* dx;              // null: not asked for
+  scalar_t* g_out;           // null: not asked for
+  const acc_t* mean;
+  const acc_t* coef;  // (4, C): scale, shift
+  int64_t C;
+  acc_t slope;
+  bool act;
+  acc_t* sum_g;
+  acc_t* sum_g_xmu;
+
+  __device__ __forceinline__ State channel(int64_t c) const { return {mean[c], coef[c], coef[C + c]}; }
+
+  template <int V, bool kPerLane, bool kSums>
+  __device__ __forceinline__ void apply(int64_t i, const State* st, Acc* acc) const {
+    const auto d = load_pack<V>(dy, i);
+    const auto v = load_pack<V>(x, i);
+    Pack<scalar_t, V> r{};
+    if (act && residual != nullptr) r = load_pack<V>(residual, i);
+    Pack<scalar_t, V> out_dx, out_g;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const State& s = st[kPerLane ? j : 0];
+      const acc_t xv = acc_t(v.val[j]);
+      acc_t g = acc_t(d.val[j]);
+      if (act) {
+        const acc_t pre = pre_activation(xv, s.scale, s.shift, residual != nullptr, acc_t(r.val[j]));
+        if (negative_side(pre)) g *= slope;
+      }
+      out_dx.val[j] = scalar_t(g * s.scale);
+      out_g.val[j] = scalar_t(g);
+      if constexpr (kSums) acc[kPerLane ? j : 0].add(g, g * (xv - s.mean));
+    }
+    if (dx != nullptr) store_pack<V>(dx, i, out_dx);
+    if (g_out != nullptr) store_pack<V>(g_out, i, out_g);
+  }
+
+  template <int V, bool kPerLane>
+  __device__ __forceinline__ void item(int64_t i, const State* st) const {
+    apply<V, kPerLane, false>(i, st, nullptr);
+  }
+  template <int V, bool kPerLane>
+  __device__ __forceinline__ void item(int64_t i, const State* st, Acc* acc) const {
+    apply<V, kPerLane, true>(i, st, acc);
+  }
+
+  __device__ __forceinline__ void finish(int64_t c, const Partial& t) const {
+    sum_g[c] = acc_t(t.a);
+    sum_g_xmu[c] = acc_t(t.b);
+  }
+};
+
+}  // namespace
+
+std::tuple<int64_t, at::Tensor, at::Tensor> local_stats(const at::Tensor& input) {
+  const Operands o("local_stats", input);
+  const auto& x = o.x;
+  const auto& l = o.l;
+  const auto options = input.options().dtype(at::kDouble);
+  if (l.rows() == 0 || l.C == 0) return {0, at::zeros({l.C}, options), at::zeros({l.C}, options)};
+  auto mean = at::empty({l.C}, options), m2 = at::empty({l.C}, options);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_cuda_local_stats", [&] {
+    const StatsOp<scalar_t> op{x.const_data_ptr<scalar_t>(), l.interleaved ? 1 : l.S, mean.data_ptr<double>(),
+                               m2.data_ptr<double>()};
+    launch_reduction<scalar_t>(op, l, can_vectorize(l, kVec<scalar_t>, {op.x}), options, stream);
+  });
+  return {l.rows(), mean, m2};
+}
+
+std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& grad_output, const at::Tensor& input,
+                                                   const at::Tensor& mean) {
+  const Operands o("backward_reduce", input, &grad_output);
+  const auto& [x, dy, l] = std::tie(o.x, o.dy, o.l);
+  const auto m = o.channel(mean, "mean");
+  if (l.numel() == 0) return {at::zeros_like(mean), at::zeros_like(mean)};
+  auto sums = at::empty({2, l.C}, m.options());
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_cuda_backward_reduce", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const GradSumsOp<scalar_t> op{dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
+                                  m.const_data_ptr<acc_t>(), sums.data_ptr<acc_t>(), sums.data_ptr<acc_t>() + l.C};
+    launch_reduction<scalar_t>(op, l, can_vectorize(l, kVec<scalar_t>, {op.dy, op.x}), x.options(), stream);
+  });
+  return {sums[0].to(mean.scalar_type()), sums[1].to(mean.scalar_type())};
+}
+
+std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>,
+           std::optional<at::Tensor>>
+backward_affine_act(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
+                    const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
+                    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
+                    std::optional<double> negative_slope, bool input_grad, bool residual_grad, bool sums) {
+  const Operands o("backward_affine_act", input, &grad_output);
+  const auto& [x, dy, l] = std::tie(o.x, o.dy, o.l);
+  const auto m = o.channel(mean, "mean"), s = o.channel(invstd, "invstd");
+  const auto w = o.channel(weight, "weight"), b = o.channel(bias, "bias");
+  const bool act = negative_slope.has_value();
+  const auto r = act ? o.like_x(residual, "residual") : at::Tensor();  // no activation: not read
+  std::optional<at::Tensor> dx, g, sum_g, sum_g_xmu;
+  if (input_grad) dx = at::empty_like(x);
+  // without an activation g is dy itself (as the reference's g.to(dy.dtype) is)
+  if (residual_grad) g = act ? at::empty_like(x) : dy;
+  at::Tensor out_sums;
+  if (sums) {
+    out_sums = at::zeros({2, l.C}, m.options());
+    sum_g = out_sums[0];
+    sum_g_xmu = out_sums[1];
+  }
+  const bool writes = input_grad || (residual_grad && act);
+  if (l.numel() == 0 || (!writes && !sums)) {
+    if (sums) return {dx, g, sum_g->to(mean.scalar_type()), sum_g_xmu->to(mean.scalar_type())};
+    return {dx, g, sum_g, sum_g_xmu};
+  }
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_cuda_backward_affine_act", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto coef = coefficients<acc_t>(m, s, w, b, at::Tensor(), at::Tensor(), 0, stream);
+    AffineActOp<scalar_t> op{dy.const_data_ptr<scalar_t>(),
+                             x.const_data_ptr<scalar_t>(),
+                             r.defined() ? r.const_data_ptr<scalar_t>() : nullptr,
+                             dx ? dx->data_ptr<scalar_t>() : nullptr,
+                             residual_grad && act ? g->data_ptr<scalar_t>() : nullptr,
+                             m.const_data_ptr<acc_t>(),
+                             coef.const_data_ptr<acc_t>(),
+                             l.C,
+                             acc_t(negative_slope.value_or(0.0)),
+                             act,
+                             sums ? out_sums.data_ptr<acc_t>() : nullptr,
+                             sums ? out_sums.data_ptr<acc_t>() + l.C : nullptr};
+    const bool vectorize = can_vectorize(l, kVec<scalar_t>, {op.dy, op.x, op.residual, op.dx, op.g_out});
+    if (sums) {
+      launch_reduction<scalar_t>(op, l, vectorize, x.options(), stream);
+    } else {
+      launch_elementwise<scalar_t>(op, l, vectorize, stream);
+    }
+  });
+  if (sums) {
+    sum_g = sum_g->to(mean.scalar_type());
+    sum_g_xmu = sum_g_xmu->to(mean.scalar_type());
+  }
+  return {dx, g, sum_g, sum_g_xmu};
+}
+
+std::tuple<at::Tensor, at::Tensor> merge_stats(const at::Tensor& counts, const at::Tensor& means,
+                                               const at::Tensor& m2s) {
+  // R-way Chan on R x C values: a few ATen ops on the device, as functions/reference.py
+  // (tiny, and no host synchronization: the counts stay a device tensor).
+  TORCH_CHECK(means.dim() == 2 && m2s.sizes() == means.sizes() && counts.dim() == 1 &&
+                  counts.size(0) == means.size(0),
+              "syncbn.cuda.merge_stats: expected counts (R,), means and m2s (R, C), got ", counts.sizes(), ", ",
+              means.sizes(), ", ", m2s.sizes());
+  c10::cuda::CUDAGuard guard(means.device());
+  const auto n = counts.to(means.options()).unsqueeze(1);
+  const auto total = n.sum();
+  const auto mean = (n * means).sum(0) / total;
+  const auto m2 = m2s.to(means.scalar_type()).sum(0) + (n * (means - mean).square()).sum(0);
+  return {mean, m2 / total};
+}
+
+}  // namespace syncbn::cuda
