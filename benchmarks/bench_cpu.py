@@ -100,8 +100,11 @@ def step_functions(model: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict[
 
 
 def median_ms(fn: Callable[[], object], min_run_time: float) -> float:
+    """Median time of fn in ms, with torch's intra-op threads as set in this process (Timer's
+    own default is 1 thread)."""
     fn()  # warm up (allocator, thread pool)
-    return benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median * 1e3
+    timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 
 def _status_kb(field: str) -> int:
