@@ -22,10 +22,13 @@ all_reduces the replicas' summed (sum_dy, sum_dy_xmu). One collective per call a
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 from torch.autograd.function import Function, once_differentiable
 
+from . import devices
 from .backend import Kernels, kernels_for
 from .distributed import ProcessGroupCall, all_gather_stats, all_reduce_sums
 from .reference import accumulation_dtype
@@ -74,9 +77,10 @@ def _merge(parts: list[LocalStats], kernels: Kernels) -> tuple[int, Tensor, Tens
     if len(parts) == 1:
         return total, first.mean, first.m2 / total
     device = first.mean.device
-    counts = torch.tensor([part.count for part in parts], dtype=first.mean.dtype, device=device)
-    means = torch.stack([part.mean.to(device) for part in parts])
-    m2s = torch.stack([part.m2.to(device) for part in parts])
+    # no host synchronization: counts from pinned memory, peer copies after each replica's stream
+    counts = devices.counts_on([part.count for part in parts], device, first.mean.dtype)
+    means = torch.stack([devices.fetch(part.mean, device, part.ready) for part in parts])
+    m2s = torch.stack([devices.fetch(part.m2, device, part.ready) for part in parts])
     mean, var = kernels.merge_stats(counts, means, m2s)
     return total, mean, var
 
@@ -178,10 +182,14 @@ class SyncBatchNormFunction(Function):
         if replica_call is None:
             count, mean, var = merge_replica_stats([local], layer, kernels, process_call)
         else:
-            count, mean, var = replica_call.exchange(
-                "forward", local, lambda parts: merge_replica_stats(parts, layer, kernels, process_call)
-            )
-            mean, var = mean.to(x.device), var.to(x.device)
+            local = dataclasses.replace(local, ready=devices.mark_ready(local.mean))
+
+            def merge(parts: list[LocalStats]) -> tuple:
+                count, mean, var = merge_replica_stats(parts, layer, kernels, process_call)
+                return count, mean, var, devices.mark_ready(var)
+
+            count, mean, var, ready = replica_call.exchange("forward", local, merge)
+            mean, var = devices.fetch(mean, x.device, ready), devices.fetch(var, x.device, ready)
         if replica_call is None or replica_call.is_master:
             update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, count)
         acc = accumulation_dtype(x.dtype)
@@ -203,13 +211,19 @@ class SyncBatchNormFunction(Function):
 
     @staticmethod
     def _sum_over_replicas(ctx, both: Tensor) -> tuple[Tensor, Tensor]:
-        """(sum_dy, sum_dy_xmu) of every replica, and of every rank with a process_call."""
-        sum_parts = lambda parts: sum_replica_tensors(parts, ctx.process_call)  # noqa: E731
+        """(sum_dy, sum_dy_xmu) of every replica, and of every rank with a process_call, on
+        ``both``'s device."""
+
+        def sum_parts(parts: list[tuple[Tensor, object]]) -> tuple[Tensor, object]:
+            device = parts[0][0].device
+            total = sum_replica_tensors([devices.fetch(t, device, ready) for t, ready in parts], ctx.process_call)
+            return total, devices.mark_ready(total)
+
         if ctx.replica_call is not None:
-            both = ctx.replica_call.exchange("backward", both, sum_parts)
+            total, ready = ctx.replica_call.exchange("backward", (both, devices.mark_ready(both)), sum_parts)
         else:
-            both = sum_parts([both])
-        return both.chunk(2)
+            total, ready = sum_parts([(both, None)])
+        return devices.fetch(total, both.device, ready).chunk(2)
 
     @staticmethod
     def _backward(ctx, grad_output: Tensor) -> tuple:
@@ -227,7 +241,6 @@ class SyncBatchNormFunction(Function):
             total_dy, total_dy_xmu = sum_dy, sum_dy_xmu
             if ctx.replica_call is not None or ctx.process_call is not None:
                 total_dy, total_dy_xmu = SyncBatchNormFunction._sum_over_replicas(ctx, torch.cat([sum_dy, sum_dy_xmu]))
-                total_dy, total_dy_xmu = total_dy.to(x.device), total_dy_xmu.to(x.device)
             grad_input = kernels.backward_elemt(dy, x, mean, invstd, weight, total_dy, total_dy_xmu, ctx.count)
         if weight is not None and ctx.needs_input_grad[1]:
             grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
