@@ -61,67 +61,17 @@ LAYOUT_IDS = [f"{tuple(s)}-{str(f).replace('torch.', '')}" for s, f in LAYOUTS]
 
 
 def make_input(shape, memory_format, dtype, seed=0) -> torch.Tensor:
-    return kernel_tests.make_input(shape, memory_format, dtype, seed).to(DEVICE)
+    return kernel_tests.make_input(shape, memory_format, dtype, seed, DEVICE)
 
 
-def per_channel_args(x: torch.Tensor) -> tuple:
-    """mean and invstd in the accumulation dtype, float32 weight and bias (as under autocast)."""
-    return tuple(t.to(DEVICE) for t in kernel_tests.per_channel_args(x))
-
-
-def expected_stride(x: torch.Tensor) -> tuple:
-    """Outputs keep x's layout where it is one (NCHW or channels_last), else are contiguous."""
-    for fmt in (torch.contiguous_format, torch.channels_last, torch.channels_last_3d):
-        try:
-            if x.is_contiguous(memory_format=fmt):
-                return x.contiguous(memory_format=fmt).stride()
-        except RuntimeError:  # channels_last of the wrong rank
-            continue
-    return x.contiguous().stride()
+per_channel_args = kernel_tests.per_channel_args
+expected_stride = kernel_tests.expected_stride
 
 
 def assert_all_ops_match(x: torch.Tensor) -> None:
-    dtype, count = x.dtype, x.numel() // x.size(1)
-    stride = expected_stride(x)
-    n, mean, m2 = OPS.local_stats(x)
-    n_ref, mean_ref, m2_ref = ref.local_stats(x)
-    assert n == n_ref and mean.dtype == m2.dtype == torch.float64 and mean.device == x.device
-    stats_tol = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(mean, mean_ref, **stats_tol)
-    torch.testing.assert_close(m2, m2_ref, atol=stats_tol["atol"] * max(count, 1), rtol=stats_tol["rtol"])
-
-    mean, invstd, weight, bias = per_channel_args(x)
-    residual = make_input(x.shape, torch.contiguous_format, dtype, seed=3)  # a layout other than x's
-    for w, b in [(weight, bias), (None, None), (weight.to(dtype), bias.to(dtype))]:
-        y = OPS.elemt_forward(x, mean, invstd, w, b)
-        assert y.dtype == dtype and y.shape == x.shape and (x.numel() == 0 or y.stride() == stride)
-        torch.testing.assert_close(y, ref.elemt_forward(x, mean, invstd, w, b), **tolerance(dtype))
-    for r, slope in itertools.product([None, residual], [None, 0.0, 0.1]):
-        y = OPS.elemt_forward(x, mean, invstd, weight, bias, r, slope)
-        torch.testing.assert_close(y, ref.elemt_forward(x, mean, invstd, weight, bias, r, slope), **tolerance(dtype))
-
-    dy = make_input(x.shape, torch.contiguous_format, dtype, seed=2)
-    sum_dy, sum_dy_xmu = OPS.backward_reduce(dy, x, mean)
-    sum_dy_ref, sum_dy_xmu_ref = ref.backward_reduce(dy, x, mean)
-    assert sum_dy.dtype == sum_dy_xmu.dtype == mean.dtype
-    torch.testing.assert_close(sum_dy, sum_dy_ref, **sum_tolerance(dtype, count))
-    torch.testing.assert_close(sum_dy_xmu, sum_dy_xmu_ref, **sum_tolerance(dtype, 10 * count))
-
-    total = max(count, 1)
-    for w in [weight, None]:
-        dx = OPS.backward_elemt(dy, x, mean, invstd, w, sum_dy_ref, sum_dy_xmu_ref, total)
-        assert dx.dtype == dtype and (x.numel() == 0 or dx.stride() == stride)
-        expected = ref.backward_elemt(dy, x, mean, invstd, w, sum_dy_ref, sum_dy_xmu_ref, total)
-        torch.testing.assert_close(dx, expected, **tolerance(dtype))
-
-    for r, slope in itertools.product([None, residual], [None, 0.0, 0.1]):
-        got = OPS.backward_affine_act(dy, x, mean, invstd, weight, bias, r, slope, True, True, True)
-        want = ref.backward_affine_act(dy, x, mean, invstd, weight, bias, r, slope, True, True, True)
-        torch.testing.assert_close(got[0], want[0], **tolerance(dtype))
-        torch.testing.assert_close(got[1], want[1], **tolerance(dtype))
-        assert got[2].dtype == got[3].dtype == mean.dtype
-        torch.testing.assert_close(got[2], want[2], **sum_tolerance(dtype, count))
-        torch.testing.assert_close(got[3], want[3], **sum_tolerance(dtype, 10 * count))
+    """The CPU kernel tests' op-by-op and fused-op checks, run on the CUDA kernels."""
+    kernel_tests.assert_all_ops_match(x, OPS)
+    kernel_tests.assert_fused_ops_match(x, OPS)
 
 
 @needs_ops

@@ -59,27 +59,33 @@ def sum_tolerance(dtype: torch.dtype, count: int) -> dict:
     return dict(atol=scale * max(count, 1), rtol=scale * 10)
 
 
-def make_input(shape, memory_format, dtype, seed=0) -> torch.Tensor:
+def make_input(shape, memory_format, dtype, seed=0, device="cpu") -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=generator, dtype=torch.float64) * 3 + 5
-    return x.to(dtype).contiguous(memory_format=memory_format)
+    return x.to(dtype).contiguous(memory_format=memory_format).to(device)
 
 
 def per_channel_args(x: torch.Tensor) -> tuple:
-    """mean and invstd in the accumulation dtype, float32 weight and bias (as under autocast)."""
+    """mean and invstd in the accumulation dtype, float32 weight and bias (as under autocast),
+    on x's device."""
     C, acc = x.size(1), ref.accumulation_dtype(x.dtype)
     generator = torch.Generator().manual_seed(1)
     mean = (torch.randn(C, generator=generator, dtype=torch.float64) + 5).to(acc)
     invstd = (torch.rand(C, generator=generator, dtype=torch.float64) + 0.5).to(acc)
     weight = torch.randn(C, generator=generator)
     bias = torch.randn(C, generator=generator)
-    return mean, invstd, weight, bias
+    return tuple(t.to(x.device) for t in (mean, invstd, weight, bias))
 
 
-def assert_all_ops_match(x: torch.Tensor) -> None:
-    ops, dtype, count = COMPILED.cpu, x.dtype, x.numel() // x.size(1)
-    # outputs keep x's layout where it is one (NCHW or channels_last), else are contiguous
-    stride = x.contiguous(memory_format=memory_format_of(x)).stride()
+def expected_stride(x: torch.Tensor) -> tuple:
+    """Outputs keep x's layout where it is one (NCHW or channels_last), else are contiguous."""
+    return x.contiguous(memory_format=memory_format_of(x)).stride()
+
+
+def assert_all_ops_match(x: torch.Tensor, ops=None) -> None:
+    """Every op of ``ops`` (default: the compiled CPU kernels) against the reference, on x's device."""
+    ops, dtype, count = ops or COMPILED.cpu, x.dtype, x.numel() // x.size(1)
+    stride = expected_stride(x)
     n, mean, m2 = ops.local_stats(x)
     n_ref, mean_ref, m2_ref = ref.local_stats(x)
     assert n == n_ref and mean.dtype == m2.dtype == torch.float64
@@ -88,12 +94,12 @@ def assert_all_ops_match(x: torch.Tensor) -> None:
     torch.testing.assert_close(m2, m2_ref, atol=stats_tol["atol"] * max(count, 1), rtol=stats_tol["rtol"])
 
     mean, invstd, weight, bias = per_channel_args(x)
-    for w, b in [(weight, bias), (None, None)]:
+    for w, b in [(weight, bias), (None, None), (weight.to(dtype), bias.to(dtype))]:
         y = ops.elemt_forward(x, mean, invstd, w, b)
-        assert y.dtype == dtype and y.shape == x.shape and y.stride() == stride
+        assert y.dtype == dtype and y.shape == x.shape and (x.numel() == 0 or y.stride() == stride)
         torch.testing.assert_close(y, ref.elemt_forward(x, mean, invstd, w, b), **tolerance(dtype))
 
-    dy = make_input(x.shape, torch.contiguous_format, dtype, seed=2)  # a layout other than x's
+    dy = make_input(x.shape, torch.contiguous_format, dtype, seed=2, device=x.device)  # a layout other than x's
     sum_dy, sum_dy_xmu = ops.backward_reduce(dy, x, mean)
     sum_dy_ref, sum_dy_xmu_ref = ref.backward_reduce(dy, x, mean)
     assert sum_dy.dtype == sum_dy_xmu.dtype == mean.dtype
@@ -103,7 +109,7 @@ def assert_all_ops_match(x: torch.Tensor) -> None:
     total = max(count, 1)
     for w in [weight, None]:
         dx = ops.backward_elemt(dy, x, mean, invstd, w, sum_dy_ref, sum_dy_xmu_ref, total)
-        assert dx.dtype == dtype and dx.stride() == stride
+        assert dx.dtype == dtype and (x.numel() == 0 or dx.stride() == stride)
         expected = ref.backward_elemt(dy, x, mean, invstd, w, sum_dy_ref, sum_dy_xmu_ref, total)
         torch.testing.assert_close(dx, expected, **tolerance(dtype))
 
@@ -115,19 +121,19 @@ def clear_of_the_kink(x, mean, invstd, weight, bias, residual) -> torch.Tensor:
     return ref.pre_activation(x, scale, shift, residual).abs() > 1e-2
 
 
-def assert_fused_ops_match(x: torch.Tensor) -> None:
+def assert_fused_ops_match(x: torch.Tensor, ops=None) -> None:
     """elemt_forward with a residual and an activation, and backward_affine_act with every
-    combination of outputs, against the reference."""
-    ops, dtype, count = COMPILED.cpu, x.dtype, x.numel() // x.size(1)
-    stride = x.contiguous(memory_format=memory_format_of(x)).stride()
+    combination of outputs, against the reference (``ops`` as in assert_all_ops_match)."""
+    ops, dtype, count = ops or COMPILED.cpu, x.dtype, x.numel() // x.size(1)
+    stride = expected_stride(x)
     mean, invstd, weight, bias = per_channel_args(x)
     bias = bias - 5  # about half the values below 0
-    z = make_input(x.shape, torch.contiguous_format, dtype, seed=3) - 5  # another layout than x's
-    dy = make_input(x.shape, torch.contiguous_format, dtype, seed=2)
+    z = make_input(x.shape, torch.contiguous_format, dtype, seed=3, device=x.device) - 5  # another layout than x's
+    dy = make_input(x.shape, torch.contiguous_format, dtype, seed=2, device=x.device)
     for residual, slope in [(z, 0.0), (None, 0.1), (z, None), (None, None)]:
         args = (x, mean, invstd, weight, bias, residual, slope)
         y = ops.elemt_forward(*args)
-        assert y.dtype == dtype and y.stride() == stride
+        assert y.dtype == dtype and (x.numel() == 0 or y.stride() == stride)
         torch.testing.assert_close(y, ref.elemt_forward(*args), **tolerance(dtype))
         # no gradient where rounding may put the activation's input on either side of 0
         dy_clear = dy * clear_of_the_kink(*args[:6]).to(dtype)
@@ -139,7 +145,7 @@ def assert_fused_ops_match(x: torch.Tensor) -> None:
             for name, a, b in zip(["dx", "g"], got[:2], expected[:2]):
                 assert (a is None) == (b is None), name
                 if a is not None:
-                    assert a.dtype == dtype and a.stride() == stride, name
+                    assert a.dtype == dtype and (x.numel() == 0 or a.stride() == stride), name
                     torch.testing.assert_close(a, b, **tolerance(dtype))
             if sums:
                 assert got[2].dtype == got[3].dtype == mean.dtype
