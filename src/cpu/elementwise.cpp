@@ -126,7 +126,7 @@ at::Tensor backward_elemt(const at::Tensor& grad_output, const at::Tensor& input
   TORCH_CHECK(grad_output.scalar_type() == input.scalar_type(), "syncbn.backward_elemt: grad_output is ",
               grad_output.scalar_type(), " but the input is ", input.scalar_type());
   const auto [x, l] = as_layout(input);
-  const auto dy = like_layout(grad_output, x);
+  const auto dy = like_layout(grad_output, x, "grad_output");
   auto dx = at::empty_like(x);
   if (l.numel() == 0) return dx;
   TORCH_CHECK(count > 0, "syncbn.backward_elemt: the batch count must be positive, got ", count);

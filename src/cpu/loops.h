@@ -1,5 +1,5 @@
-// Shared machinery of the CPU kernels: the two memory layouts, vectors in the accumulation
-// type, Welford/Chan moments, and how a channel's values are cut into pieces for threads.
+// Shared machinery of the CPU kernels (the two memory layouts are in src/layout.h): vectors in
+// the accumulation type, Welford/Chan moments, and how a channel's values are cut into pieces for threads.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -15,6 +15,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "layout.h"
+
 namespace syncbn::cpu {
 
 using at::vec::Vectorized;
@@ -24,44 +26,6 @@ constexpr int64_t kGrainElements = 32768;
 // At most this many values per float accumulator lane before its partial is merged in double:
 // bounds the float32 rounding error of a lane's sum or running mean.
 constexpr int64_t kMaxLaneUpdates = 256;
-
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// x seen as one of two layouts (both contiguous in memory):
-//  planar:      (N, C, S): each (n, c) is a run of S values (NCHW, NCDHW, (N, C, L));
-//  interleaved: (M, C):    each row holds one value of every channel (channels_last 2d/3d,
-//               (N, C), and planar with S == 1), M = N * S.
-struct Layout {
-  int64_t N, C, S;
-  bool interleaved;
-  int64_t rows() const { return N * S; }  // values per channel
-  int64_t numel() const { return N * C * S; }
-};
-
-// The layout of x, and x itself made contiguous (once) where its strides fit neither layout.
-inline std::pair<at::Tensor, Layout> as_layout(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() >= 2, "syncbn: expected an input of rank >= 2, got ", x.dim());
-  const int64_t N = x.size(0), C = x.size(1);
-  const int64_t S = x.dim() > 2 ? x.numel() / std::max<int64_t>(N * C, 1) : 1;
-  if (x.dim() > 2 && x.is_contiguous() && S > 1) return {x, {N, C, S, false}};
-  if (x.dim() > 2 && !x.is_contiguous()) {
-    const auto format = x.suggest_memory_format();
-    if (format != at::MemoryFormat::Contiguous && x.is_contiguous(format)) return {x, {N, C, S, true}};
-    if (S > 1) return {x.contiguous(), {N, C, S, false}};
-  }
-  return {x.contiguous(), {N, C, S, true}};
-}
-
-// `other` laid out exactly as `x` (dy or the residual against the saved input).
-inline at::Tensor like_layout(const at::Tensor& other, const at::Tensor& x, const char* name = "grad_output") {
-  TORCH_CHECK(other.sizes() == x.sizes(), "syncbn: ", name, " has shape ", other.sizes(),
-              " but the input has shape ", x.sizes());
-  const auto format = x.suggest_memory_format();
-  if (x.is_contiguous(format) && other.is_contiguous(format)) return other;
-  auto out = at::empty_like(x, other.options());
-  out.copy_(other);
-  return out;
-}
 
 // Loads and stores of scalar_t values as vectors of the accumulation type: one vector for
 // float and double, two float vectors for bfloat16 and float16.
@@ -266,8 +230,6 @@ inline std::optional<at::Tensor> optional_like_layout(const std::optional<at::Te
   if (!other.has_value() || !other->defined()) return std::nullopt;
   TORCH_CHECK(other->scalar_type() == x.scalar_type(), "syncbn.", op, ": ", name, " is ", other->scalar_type(),
               " but the input is ", x.scalar_type());
-  TORCH_CHECK(other->device() == x.device(), "syncbn.", op, ": ", name, " is on ", other->device(),
-              " but the input is on ", x.device());
   return like_layout(*other, x, name);
 }
 

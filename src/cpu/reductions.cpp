@@ -439,7 +439,7 @@ std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& grad_output
   TORCH_CHECK(grad_output.scalar_type() == input.scalar_type(), "syncbn.backward_reduce: grad_output is ",
               grad_output.scalar_type(), " but the input is ", input.scalar_type());
   const auto [x, l] = as_layout(input);
-  const auto dy = like_layout(grad_output, x);
+  const auto dy = like_layout(grad_output, x, "grad_output");
   TORCH_CHECK(mean.numel() == l.C, "syncbn.backward_reduce: mean has ", mean.numel(), " values for ", l.C,
               " channels");
   std::vector<GradSums> sums(l.C);
@@ -465,7 +465,7 @@ backward_affine_act(const at::Tensor& grad_output, const at::Tensor& input, cons
   TORCH_CHECK(grad_output.scalar_type() == input.scalar_type(), "syncbn.backward_affine_act: grad_output is ",
               grad_output.scalar_type(), " but the input is ", input.scalar_type());
   const auto [x, l] = as_layout(input);
-  const auto dy = like_layout(grad_output, x);
+  const auto dy = like_layout(grad_output, x, "grad_output");
   const auto z = optional_like_layout(residual, x, "backward_affine_act", "residual");
   TORCH_CHECK(mean.numel() == l.C && invstd.numel() == l.C, "syncbn.backward_affine_act: mean and invstd need ",
               l.C, " values, got ", mean.numel(), " and ", invstd.numel());
