@@ -67,7 +67,7 @@ def sources(*patterns: str) -> list[str]:
 def extension(capability: str) -> CppExtension:
     return CppExtension(
         name=f"functions._C_{capability.lower()}",
-        sources=sources("src/bindings.cpp", "src/cpu/*.cpp"),
+        sources=sources("src/bindings.cpp", "src/train_forward.cpp", "src/cpu/*.cpp"),
         include_dirs=[os.path.join(ROOT, "src")],
         extra_compile_args={"cxx": cpu_compile_args(capability)},
         extra_link_args=openmp_flags(),
@@ -99,7 +99,7 @@ def cuda_extensions() -> list[CUDAExtension]:
     return [
         CUDAExtension(
             name="functions._C_cuda",
-            sources=sources("src/cuda/*.cu", "src/cuda/bindings.cpp"),
+            sources=sources("src/cuda/*.cu", "src/cuda/bindings.cpp", "src/train_forward.cpp"),
             include_dirs=[os.path.join(ROOT, "src")],
             extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
         )

@@ -1,17 +1,18 @@
 """The math and the synchronization of synchronized batch norm (see ``DESIGN.md``)."""
-from .backend import Kernels, backend_info, kernels_for
+from . import ops
+from .backend import backend_info, backend_name, serves_single_device
 from .frozen_batchnorm import FrozenBatchNormFunction, frozen_batch_norm
 from .replicas import ReplicaSyncError, resolve_timeout
 from .sync_batchnorm import SyncBatchNormFunction, sync_batch_norm
 
 __all__ = [
     "FrozenBatchNormFunction",
-    "Kernels",
     "ReplicaSyncError",
     "SyncBatchNormFunction",
     "backend_info",
     "frozen_batch_norm",
-    "kernels_for",
+    "backend_name",
     "resolve_timeout",
+    "serves_single_device",
     "sync_batch_norm",
 ]

@@ -1,28 +1,28 @@
-"""The backend seam: which kernels serve the batch-norm operations on a device.
+"""Which kernels serve the ``torch.ops.syncbn`` operators (:mod:`functions.ops`) on each device.
 
-A backend is a :class:`Kernels` record of callables with the signatures of
-:mod:`functions.reference`. CPU tensors go to the compiled kernels (``src/cpu``, built into
-``functions/_C_<capability>`` by ``setup.py``) where they are built for an instruction set that
-this CPU has, else to the pure-PyTorch reference (with one warning). On CUDA tensors the
-elementwise and backward operations go to PyTorch's own SyncBN CUDA ops by default; our CUDA kernels
-(``src/cuda``, built into ``functions/_C_cuda`` where torch is a CUDA build and a toolkit is found)
-serve them only with ``SYNCBN_CUDA_KERNELS=compiled`` in the environment (opt-in until they have
-passed the suite on a GPU). ``SYNCBN_KERNELS=reference`` in the environment forces the reference
-everywhere (to debug, or to test it).
+The dispatcher picks the kernel by the tensors' device; this module decides what is registered:
+
+- CPU: the compiled kernels (``src/cpu``, built into ``functions/_C_<capability>`` by
+  ``setup.py``), the best build for an instruction set that this CPU has; importing it registers
+  them. Where none is built, the pure-PyTorch reference serves (with one warning).
+- CUDA: by default torch's own SyncBN CUDA ops serve the elementwise and backward operators
+  (registered here for the CUDA key), the reference the rest; our CUDA kernels (``src/cuda``,
+  built into ``functions/_C_cuda`` where torch is a CUDA build and a toolkit is found) are loaded
+  and registered only with ``SYNCBN_CUDA_KERNELS=compiled`` (opt-in until they have passed the
+  suite on a GPU).
+- ``SYNCBN_KERNELS=reference`` loads nothing and registers nothing: the reference serves every
+  device (to debug, or to test it).
 """
 from __future__ import annotations
 
 import importlib
 import os
 import warnings
-from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
 
 import torch
-from torch import Tensor
 
-from . import reference
+from . import ops, reference
 
 # Instruction sets the CPU kernels may be built for, weakest first (see setup.py).
 CPU_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")
@@ -32,32 +32,6 @@ CUDA_OPT_IN = os.environ.get("SYNCBN_CUDA_KERNELS", "").lower() == "compiled"
 CUDA_BUILD_HINT = (
     "build them where torch is a CUDA build and the CUDA toolkit (nvcc, CUDA_HOME) is installed, "
     "with `./make_ext.sh` or `pip install --no-build-isolation -e .`"
-)
-
-
-@dataclass(frozen=True)
-class Kernels:
-    """The operations of a synchronized batch norm, as served by one backend."""
-
-    name: str
-    local_stats: Callable[[Tensor], tuple[int, Tensor, Tensor]]
-    merge_stats: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
-    elemt_forward: Callable[..., Tensor]
-    backward_reduce: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
-    backward_elemt: Callable[..., Tensor]
-    backward_affine_act: Callable[..., tuple]
-    serves_single_device: bool = False
-    """Faster than torch's own batch norm, so it also serves a lone replica in training."""
-
-
-REFERENCE = Kernels(
-    name="reference",
-    local_stats=reference.local_stats,
-    merge_stats=reference.merge_stats,
-    elemt_forward=reference.elemt_forward,
-    backward_reduce=reference.backward_reduce,
-    backward_elemt=reference.backward_elemt,
-    backward_affine_act=reference.backward_affine_act,
 )
 
 
@@ -93,16 +67,12 @@ def _torch_cuda_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, 
     return torch.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, counts)
 
 
-TORCH_CUDA = Kernels(
-    name="torch-cuda-ops",
-    local_stats=reference.local_stats,
-    merge_stats=reference.merge_stats,
-    elemt_forward=_torch_cuda_elemt_forward,
-    backward_reduce=_torch_cuda_backward_reduce,
-    backward_elemt=_torch_cuda_backward_elemt,
-    backward_affine_act=reference.backward_affine_act,
-)
-
+TORCH_CUDA_OPS = {
+    "elemt_forward": _torch_cuda_elemt_forward,
+    "backward_reduce": _torch_cuda_backward_reduce,
+    "backward_elemt": _torch_cuda_backward_elemt,
+}
+"""torch's SyncBN CUDA ops, as kernels of our operators (the reference serves the others)."""
 
 
 def usable_cpu_capabilities() -> list[str]:
@@ -152,38 +122,38 @@ def load_compiled_cuda() -> ModuleType | None:
         return None
 
 
-def compiled_kernels(ops: ModuleType, name: str, serves_single_device: bool = True) -> Kernels:
-    """A :class:`Kernels` record of one device's (sub)module of a compiled extension."""
-    return Kernels(
-        name=name,
-        serves_single_device=serves_single_device,
-        local_stats=ops.local_stats,
-        merge_stats=ops.merge_stats,
-        elemt_forward=ops.elemt_forward,
-        backward_reduce=ops.backward_reduce,
-        backward_elemt=ops.backward_elemt,
-        backward_affine_act=ops.backward_affine_act,
-    )
+def register_torch_cuda_ops() -> torch.library.Library:
+    """Registers :data:`TORCH_CUDA_OPS` for the CUDA key; returns the library that holds them."""
+    library = torch.library.Library(ops.NAMESPACE, "IMPL")
+    for name, kernel in TORCH_CUDA_OPS.items():
+        library.impl(name, kernel, "CUDA")
+    return library
 
 
 COMPILED = load_compiled()
-COMPILED_CUDA = load_compiled_cuda()
-# Not yet verified on a GPU: opt-in, and not for a lone replica (cuDNN serves it).
-COMPILED_CUDA_KERNELS = None if COMPILED_CUDA is None else compiled_kernels(COMPILED_CUDA, "compiled-cuda", False)
+COMPILED_CUDA = load_compiled_cuda() if CUDA_OPT_IN else None
+_TORCH_CUDA_LIBRARY = None if FORCE_REFERENCE or COMPILED_CUDA is not None else register_torch_cuda_ops()
 
-_BY_DEVICE_TYPE: dict[str, Kernels] = {} if FORCE_REFERENCE else {"cuda": TORCH_CUDA}
-if CUDA_OPT_IN and COMPILED_CUDA_KERNELS is not None:
-    _BY_DEVICE_TYPE["cuda"] = COMPILED_CUDA_KERNELS
-if COMPILED is not None:
-    _BY_DEVICE_TYPE["cpu"] = compiled_kernels(COMPILED.cpu, f"compiled-cpu-{COMPILED.cpu.capability.lower()}")
+_BACKEND_NAMES = {
+    "cpu": "reference" if COMPILED is None else f"compiled-cpu-{COMPILED.capability.lower()}",
+    "cuda": "reference" if FORCE_REFERENCE else "torch-cuda-ops" if COMPILED_CUDA is None else "compiled-cuda",
+}
 
 
-def kernels_for(device: torch.device) -> Kernels:
-    """The kernels that serve tensors on ``device``."""
-    return _BY_DEVICE_TYPE.get(device.type, REFERENCE)
+def backend_name(device: torch.device) -> str:
+    """Which kernels serve the operators on ``device``: ``compiled-cpu-<isa>``, ``compiled-cuda``,
+    ``torch-cuda-ops`` or ``reference``."""
+    return _BACKEND_NAMES.get(device.type, "reference")
+
+
+def serves_single_device(device: torch.device) -> bool:
+    """Whether our kernels beat torch's own batch norm on ``device``, so that they also serve a
+    lone replica in training (measured: ``benchmarks/RESULTS.md``). Only the compiled CPU
+    kernels do; the CUDA kernels have not run on a GPU yet, so cuDNN serves a lone CUDA replica."""
+    return backend_name(device).startswith("compiled-cpu")
 
 
 def backend_info() -> dict[str, str]:
     """Which backend serves which device type, e.g. ``{'cpu': 'compiled-cpu-avx2', 'cuda':
     'torch-cuda-ops'}`` (CUDA is listed whether or not a GPU is visible)."""
-    return {t: kernels_for(torch.device(t)).name for t in ("cpu", "cuda")}
+    return {t: backend_name(torch.device(t)) for t in ("cpu", "cuda")}

@@ -1,11 +1,14 @@
 """Pure-PyTorch reference kernels of the batch-norm operations.
 
-Every compiled kernel (``src/``) has the same signature as its reference here and is tested
-against it. Shapes: ``x`` and ``dy`` are ``(N, C, *)`` in any layout; per-channel tensors are
-``(C,)``: statistics from ``local_stats`` and ``merge_stats`` in float64 (``STATS_DTYPE``), the
-``mean`` and ``invstd`` given to the elementwise kernels in the accumulation dtype (float64 for
-float64 input, float32 otherwise); ``count`` is the number of values per channel
-(``N * prod(spatial)``), a Python int.
+Each function here is the reference implementation of the operator of the same name,
+``torch.ops.syncbn.<name>`` (schemas in :mod:`functions.ops`, which registers these for every
+device that has no compiled kernels); every compiled kernel (``src/``) is tested against it.
+Shapes: ``x`` and ``dy`` are ``(N, C, *)`` in any layout; per-channel tensors are ``(C,)``:
+statistics from ``local_stats`` and ``merge_stats`` in float64 (``STATS_DTYPE``), the ``mean``
+and ``invstd`` given to the elementwise kernels in the accumulation dtype (float64 for float64
+input, float32 otherwise); ``count`` is the number of values per channel (``N * prod(spatial)``,
+:func:`values_per_channel`), a Python int. Full-size outputs are laid out as
+:func:`memory_format_of` says.
 """
 from __future__ import annotations
 
@@ -22,6 +25,23 @@ STATS_DTYPE = torch.float64
 """The dtype of per-channel statistics (mean, M2, variance) between local_stats and the merge."""
 
 
+def memory_format_of(x: Tensor) -> torch.memory_format:
+    """The layout the kernels walk ``x`` in, and give their full-size outputs: channels_last (2d
+    or 3d) when ``x`` is laid out so and not also NCHW-contiguous, else contiguous (NCHW)."""
+    if x.is_contiguous():
+        return torch.contiguous_format
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def values_per_channel(x: Tensor) -> int:
+    """N * prod(spatial): how many values each channel of ``x`` (N, C, *) has."""
+    return x.numel() // x.size(1) if x.size(1) else 0
+
+
 def reduction_dims(x: Tensor) -> list[int]:
     """Every dimension but the channel dimension 1."""
     return [0, *range(2, x.dim())]
@@ -32,20 +52,20 @@ def per_channel(v: Tensor, x: Tensor) -> Tensor:
     return v.view(1, -1, *([1] * (x.dim() - 2)))
 
 
-def local_stats(x: Tensor) -> tuple[int, Tensor, Tensor]:
-    """Count, mean and M2 (sum of squared deviations from the mean) of each channel.
+def local_stats(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean and M2 (sum of squared deviations from the mean) of each channel.
 
     Mean and M2 come back in float64 whatever the input: the data passes accumulate in the
     accumulation dtype, but a float32 mean of values near 1e4 is only good to 1e-3, and merging
     replicas (which squares differences of their means) would turn that into a visible error in
     the variance. So the second pass also sums x - mean (exact, as x is near the mean): the
-    rounding residue of the mean, added back in float64. An empty batch gives count 0 with zero
-    mean and M2, so that it drops out of a merge.
+    rounding residue of the mean, added back in float64. An empty batch gives zero mean and M2,
+    so that it drops out of a merge.
     """
-    count = x.numel() // x.size(1)
+    count = values_per_channel(x)
     if count == 0:
         zeros = torch.zeros(x.size(1), dtype=STATS_DTYPE, device=x.device)
-        return 0, zeros, zeros.clone()
+        return zeros, zeros.clone()
     dims = reduction_dims(x)
     x = x.to(accumulation_dtype(x.dtype))
     mean = x.mean(dims)
@@ -54,7 +74,7 @@ def local_stats(x: Tensor) -> tuple[int, Tensor, Tensor]:
     m2 = xmu.square().sum(dims).to(STATS_DTYPE) - residue.square() / count
     # an inf makes the residue nan; the mean stays inf, as in torch's batch norm
     mean = mean.to(STATS_DTYPE) + torch.nan_to_num(residue / count, nan=0.0, posinf=0.0, neginf=0.0)
-    return count, mean, m2
+    return mean, m2
 
 
 def merge_stats(counts: Tensor, means: Tensor, m2s: Tensor) -> tuple[Tensor, Tensor]:
@@ -122,7 +142,8 @@ def elemt_forward(
     ``negative_slope`` (None: identity). Computed in invstd's dtype, rounded once to x's.
     """
     scale, shift = affine_params(mean, invstd, weight, bias)
-    return activation(pre_activation(x, scale, shift, residual), negative_slope).to(x.dtype)
+    y = activation(pre_activation(x, scale, shift, residual), negative_slope)
+    return y.to(x.dtype).contiguous(memory_format=memory_format_of(x))
 
 
 def backward_affine_act(
@@ -137,14 +158,15 @@ def backward_affine_act(
     input_grad: bool,
     residual_grad: bool,
     sums: bool,
-) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Backward of :func:`elemt_forward` with mean and invstd held fixed (frozen statistics).
 
     g = dy * act'(pre) with pre = x * scale + shift + residual recomputed as in the forward
     (act'(pre) = 1 where pre > 0, else negative_slope; g = dy without an activation). Returns
     ``(dx, g, sum_g, sum_g_xmu)``: dx = g * scale when ``input_grad``; g itself (the residual's
     gradient, shaped and typed as dy) when ``residual_grad``; sum(g) and sum(g * (x - mean))
-    per channel, in mean's dtype, when ``sums``. What is not asked for is None. In frozen
+    per channel, in mean's dtype, when ``sums``. What is not asked for is an empty ``(0,)``
+    tensor (x's options for dx and g, mean's for the sums). In frozen
     training grad_weight = sum_g_xmu * invstd and grad_bias = sum_g; with batch statistics,
     (g, sum_g, sum_g_xmu) stand in for (dy, sum_dy, sum_dy_xmu) of :func:`backward_elemt`.
     """
@@ -153,13 +175,17 @@ def backward_affine_act(
     g = dy.to(acc)
     if negative_slope is not None:
         g = activation_grad(g, pre_activation(x, scale, shift, residual), negative_slope)
-    dx = (g * per_channel(scale, x)).to(x.dtype) if input_grad else None
-    sum_g = sum_g_xmu = None
+    layout = memory_format_of(x)
+    none, no_sums = x.new_empty(0), mean.new_empty(0)
+    dx = (g * per_channel(scale, x)).to(x.dtype).contiguous(memory_format=layout) if input_grad else none
+    sum_g, sum_g_xmu = no_sums, no_sums.clone()
     if sums:
         dims = reduction_dims(x)
         sum_g = g.sum(dims)
         sum_g_xmu = (g * (x.to(acc) - per_channel(mean, x))).sum(dims)
-    return dx, g.to(dy.dtype) if residual_grad else None, sum_g, sum_g_xmu
+    # a copy where g is dy itself: an operator's output never aliases its input
+    g = g.to(dy.dtype).contiguous(memory_format=layout).clone() if residual_grad else none.clone()
+    return dx, g, sum_g, sum_g_xmu
 
 
 def backward_reduce(dy: Tensor, x: Tensor, mean: Tensor) -> tuple[Tensor, Tensor]:
@@ -191,4 +217,62 @@ def backward_elemt(
     xmu_coef = invstd.square() * sum_dy_xmu / count
     xmu = x.to(acc) - per_channel(mean, x)
     dx = (dy.to(acc) - per_channel(mean_dy, x) - xmu * per_channel(xmu_coef, x)) * per_channel(scale, x)
-    return dx.to(x.dtype)
+    return dx.to(x.dtype).contiguous(memory_format=memory_format_of(x))
+
+
+def update_running_stats(
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    num_batches_tracked: Tensor | None,
+    momentum: float | None,
+    mean: Tensor,
+    var: Tensor,
+    count: int,
+) -> None:
+    """One step of nn.BatchNorm's running statistics, in place, from the batch's mean and biased var.
+
+    running = (1 - factor) * running + factor * batch, with the unbiased var * N / (N - 1);
+    factor is ``momentum``, or 1 / num_batches_tracked (after its increment: the cumulative
+    average) when it is None, taken on the device (no host read). An empty batch only counts.
+    """
+    if num_batches_tracked is not None:
+        num_batches_tracked.add_(1)
+    if running_mean is None or running_var is None or count == 0:
+        return
+    if count == 1:
+        raise RuntimeError("syncbn.update_running_stats: the unbiased variance needs more than 1 value, got 1")
+    if momentum is not None:
+        factor: float | Tensor = momentum
+    elif num_batches_tracked is not None:
+        factor = num_batches_tracked.to(mean.dtype).reciprocal()
+    else:
+        return
+    unbiased = var * (count / (count - 1))
+    running_mean.copy_(mean * factor + running_mean * (1 - factor))
+    running_var.copy_(unbiased * factor + running_var * (1 - factor))
+
+
+def batch_norm_train(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    num_batches_tracked: Tensor | None,
+    momentum: float | None,
+    eps: float,
+    residual: Tensor | None = None,
+    negative_slope: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A lone replica's training forward: ``local_stats``, ``update_running_stats`` (in place)
+    and ``elemt_forward``, each through its operator (so a device's own kernels serve them).
+    Returns ``(y, mean, invstd)``, mean and invstd in the accumulation dtype; an empty batch
+    normalizes with mean 0 and variance 1."""
+    ops = torch.ops.syncbn
+    count = values_per_channel(x)
+    mean, m2 = ops.local_stats(x)
+    var = m2 / count if count > 0 else torch.ones_like(m2)
+    ops.update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, count)
+    acc = accumulation_dtype(x.dtype)
+    mean, invstd = mean.to(acc), torch.rsqrt(var + eps).to(acc)
+    return ops.elemt_forward(x, mean, invstd, weight, bias, residual, negative_slope), mean, invstd

@@ -26,25 +26,14 @@ import dataclasses
 
 import torch
 from torch import Tensor
-from torch.autograd.function import Function, once_differentiable
+from torch.autograd.function import Function
+from torch.nn import functional as F
 
-from . import devices
-from .backend import Kernels, kernels_for
+from . import backend, devices, reference  # noqa: F401  (backend: registers the kernels)
 from .distributed import ProcessGroupCall, all_gather_stats, all_reduce_sums
-from .reference import accumulation_dtype
+from .reference import accumulation_dtype, memory_format_of, values_per_channel
 from .replicas import ReplicaCall
 from .stats import LocalStats
-
-
-def memory_format_of(x: Tensor) -> torch.memory_format:
-    """channels_last (2d or 3d) when ``x`` is laid out so and not also NCHW-contiguous."""
-    if x.is_contiguous():
-        return torch.contiguous_format
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
-        return torch.channels_last_3d
-    return torch.contiguous_format
 
 
 def check_values_per_channel(total: int, layer: str, shapes: list[torch.Size], parts: str = "replicas") -> None:
@@ -68,7 +57,7 @@ def _check_replicas_agree(parts: list[LocalStats], layer: str) -> None:
             )
 
 
-def _merge(parts: list[LocalStats], kernels: Kernels) -> tuple[int, Tensor, Tensor]:
+def _merge(parts: list[LocalStats]) -> tuple[int, Tensor, Tensor]:
     """Count, mean and biased variance of the parts' union (count 0: mean 0, variance 1)."""
     first = parts[0]
     total = sum(part.count for part in parts)
@@ -81,20 +70,20 @@ def _merge(parts: list[LocalStats], kernels: Kernels) -> tuple[int, Tensor, Tens
     counts = devices.counts_on([part.count for part in parts], device, first.mean.dtype)
     means = torch.stack([devices.fetch(part.mean, device, part.ready) for part in parts])
     m2s = torch.stack([devices.fetch(part.m2, device, part.ready) for part in parts])
-    mean, var = kernels.merge_stats(counts, means, m2s)
+    mean, var = torch.ops.syncbn.merge_stats(counts, means, m2s)
     return total, mean, var
 
 
-def _merge_into_one(parts: list[LocalStats], kernels: Kernels) -> LocalStats:
+def _merge_into_one(parts: list[LocalStats]) -> LocalStats:
     """The parts as one contribution (what a process sends to the other ranks)."""
-    count, mean, var = _merge(parts, kernels)
+    count, mean, var = _merge(parts)
     first = parts[0]
     shape = torch.Size([sum(part.input_shape[0] for part in parts), *first.input_shape[1:]])
     return LocalStats(count, mean, var * count, first.input_dtype, shape)
 
 
 def merge_replica_stats(
-    parts: list[LocalStats], layer: str, kernels: Kernels, process_call: ProcessGroupCall | None = None
+    parts: list[LocalStats], layer: str, process_call: ProcessGroupCall | None = None
 ) -> tuple[int, Tensor, Tensor]:
     """Global count, mean and biased variance (float64) of the replicas' parts, on parts[0]'s
     device; with ``process_call``, of every rank's replicas (one all_gather).
@@ -105,10 +94,10 @@ def merge_replica_stats(
     _check_replicas_agree(parts, layer)
     what = "replicas"
     if process_call is not None:
-        parts, what = all_gather_stats(_merge_into_one(parts, kernels), process_call), "ranks"
+        parts, what = all_gather_stats(_merge_into_one(parts), process_call), "ranks"
     total = sum(part.count for part in parts)
     check_values_per_channel(total, layer, [part.input_shape for part in parts], what)
-    return _merge(parts, kernels)
+    return _merge(parts)
 
 
 def sum_replica_tensors(parts: list[Tensor], process_call: ProcessGroupCall | None = None) -> Tensor:
@@ -118,50 +107,83 @@ def sum_replica_tensors(parts: list[Tensor], process_call: ProcessGroupCall | No
     return total if process_call is None else all_reduce_sums(total, process_call)
 
 
-def update_running_stats(
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    num_batches_tracked: Tensor | None,
-    momentum: float | None,
-    mean: Tensor,
-    var: Tensor,
-    count: int,
-) -> None:
-    """One step of nn.BatchNorm's running statistics, from the batch's mean and biased var.
+class SyncCall:
+    """One synchronized call of a layer: its exchange with the other replicas of the process
+    (``replica_call``) and/or with the other ranks (``process_call``, on the master replica).
 
-    running = (1 - factor) * running + factor * batch, with the unbiased var * N / (N - 1);
-    factor is ``momentum``, or 1 / num_batches_tracked (the cumulative average) when it is None.
-    An empty batch only counts (as in torch).
+    :meth:`merge_stats` is the forward exchange, :meth:`sum_grads` the backward one, and
+    :meth:`abort` releases the other replicas when this one fails. ``count`` is the global number
+    of values per channel once the forward exchange has run.
     """
-    if num_batches_tracked is not None:
-        num_batches_tracked.add_(1)
-    if running_mean is None or running_var is None or count == 0:
-        return
-    if momentum is not None:
-        factor = momentum
-    elif num_batches_tracked is not None:
-        factor = 1.0 / int(num_batches_tracked)
-    else:
-        factor = 0.0
-    unbiased = var * (count / (count - 1))
-    running_mean.copy_(mean * factor + running_mean * (1.0 - factor))
-    running_var.copy_(unbiased * factor + running_var * (1.0 - factor))
+
+    def __init__(self, replica_call: ReplicaCall | None, process_call: ProcessGroupCall | None, layer: str) -> None:
+        self.replica_call, self.process_call, self.layer = replica_call, process_call, layer
+        self.count: int | None = None
+
+    @property
+    def is_master(self) -> bool:
+        """The one replica that updates the running statistics."""
+        return self.replica_call is None or self.replica_call.is_master
+
+    def merge_stats(self, x: Tensor, mean: Tensor, m2: Tensor) -> tuple[int, Tensor, Tensor]:
+        """Global count, mean and biased variance (float64) from this replica's local ``mean``
+        and ``m2`` of ``x``, on x's device."""
+        local = LocalStats(values_per_channel(x), mean, m2, x.dtype, x.shape)
+        if self.replica_call is None:
+            count, mean, var = merge_replica_stats([local], self.layer, self.process_call)
+        else:
+            local = dataclasses.replace(local, ready=devices.mark_ready(local.mean))
+
+            def merge(parts: list[LocalStats]) -> tuple:
+                count, mean, var = merge_replica_stats(parts, self.layer, self.process_call)
+                return count, mean, var, devices.mark_ready(var)
+
+            count, mean, var, ready = self.replica_call.exchange("forward", local, merge)
+            mean, var = devices.fetch(mean, x.device, ready), devices.fetch(var, x.device, ready)
+        self.count = count
+        return count, mean, var
+
+    def sum_grads(self, sum_dy: Tensor, sum_dy_xmu: Tensor) -> tuple[Tensor, Tensor]:
+        """(sum_dy, sum_dy_xmu) summed over every replica (and rank) in one exchange, on this
+        replica's device."""
+        both = torch.cat([sum_dy, sum_dy_xmu])
+        process_call = self.process_call
+
+        def sum_parts(parts: list[tuple[Tensor, object]]) -> tuple[Tensor, object]:
+            device = parts[0][0].device
+            total = sum_replica_tensors([devices.fetch(t, device, ready) for t, ready in parts], process_call)
+            return total, devices.mark_ready(total)
+
+        if self.replica_call is not None:
+            total, ready = self.replica_call.exchange("backward", (both, devices.mark_ready(both)), sum_parts)
+        else:
+            total, ready = sum_parts([(both, None)])
+        return devices.fetch(total, both.device, ready).chunk(2)
+
+    def abort(self, error: BaseException) -> None:
+        """Release the other replicas of the round at once (they raise instead of waiting)."""
+        if self.replica_call is not None:
+            self.replica_call.round.abort(error, self.replica_call.index)
 
 
 class SyncBatchNormFunction(Function):
     """Batch norm with statistics over every replica's batch (see the module docstring).
 
     ``apply(input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
-    replica_call, layer[, process_call, residual, negative_slope])``; ``replica_call`` is None
-    for a lone replica, ``process_call`` is None within one process (and on replicas other than
-    the master), ``layer`` names the layer in errors. ``input`` is ``(N, C, *)``; weight, bias
-    and running stats are ``(C,)`` or None; ``residual`` is None or shaped as ``input``;
+    sync, layer, residual, negative_slope)`` returns ``(y, mean, invstd)`` (the last two, in the
+    accumulation dtype, are not differentiable). ``sync`` is a :class:`SyncCall`, or None for a
+    lone replica of a lone process (then one ``batch_norm_train`` operator does the whole
+    forward); ``layer`` names the layer in errors. ``input`` is ``(N, C, *)``; weight, bias and
+    running stats are ``(C,)`` or None; ``residual`` is None or shaped as ``input``;
     ``negative_slope`` is None (no activation) or the activation's slope below 0 (ReLU: 0).
+
+    Backward with ``create_graph=True`` (double backward, gradient penalties) recomputes the
+    forward with torch's differentiable ops and differentiates that, for a lone replica; a
+    synchronized call raises instead.
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx,
         input: Tensor,
         weight: Tensor | None,
         bias: Tensor | None,
@@ -170,90 +192,100 @@ class SyncBatchNormFunction(Function):
         num_batches_tracked: Tensor | None,
         momentum: float | None,
         eps: float,
-        replica_call: ReplicaCall | None,
+        sync: SyncCall | None,
         layer: str,
-        process_call: ProcessGroupCall | None = None,
         residual: Tensor | None = None,
         negative_slope: float | None = None,
-    ) -> Tensor:
+    ) -> tuple[Tensor, Tensor, Tensor]:
         x = input.contiguous(memory_format=memory_format_of(input))
-        kernels = kernels_for(x.device)
-        local = LocalStats(*kernels.local_stats(x), x.dtype, x.shape)
-        if replica_call is None:
-            count, mean, var = merge_replica_stats([local], layer, kernels, process_call)
-        else:
-            local = dataclasses.replace(local, ready=devices.mark_ready(local.mean))
-
-            def merge(parts: list[LocalStats]) -> tuple:
-                count, mean, var = merge_replica_stats(parts, layer, kernels, process_call)
-                return count, mean, var, devices.mark_ready(var)
-
-            count, mean, var, ready = replica_call.exchange("forward", local, merge)
-            mean, var = devices.fetch(mean, x.device, ready), devices.fetch(var, x.device, ready)
-        if replica_call is None or replica_call.is_master:
-            update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, count)
+        if sync is None:
+            check_values_per_channel(values_per_channel(x), layer, [x.shape])
+            return torch.ops.syncbn.batch_norm_train(
+                x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, residual, negative_slope
+            )
+        count, mean, var = sync.merge_stats(x, *torch.ops.syncbn.local_stats(x))
+        if sync.is_master:
+            torch.ops.syncbn.update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, count)
         acc = accumulation_dtype(x.dtype)
         mean, invstd = mean.to(acc), torch.rsqrt(var + eps).to(acc)
-        ctx.save_for_backward(x, weight, bias, residual, mean, invstd)
-        ctx.count, ctx.replica_call, ctx.process_call = count, replica_call, process_call
-        ctx.negative_slope = negative_slope
-        return kernels.elemt_forward(x, mean, invstd, weight, bias, residual, negative_slope)
+        return torch.ops.syncbn.elemt_forward(x, mean, invstd, weight, bias, residual, negative_slope), mean, invstd
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_output: Tensor):  # type: ignore[override]
+    def setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor, Tensor]) -> None:
+        input, weight, bias, _, _, _, _, eps, sync, layer, residual, negative_slope = inputs
+        _, mean, invstd = output
+        ctx.mark_non_differentiable(mean, invstd)
+        ctx.save_for_backward(input, weight, bias, residual, mean, invstd)
+        ctx.sync, ctx.layer, ctx.eps, ctx.negative_slope = sync, layer, eps, negative_slope
+        ctx.count = values_per_channel(input) if sync is None else sync.count
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor, _grad_mean: Tensor | None, _grad_invstd: Tensor | None):  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph=True
+            if ctx.sync is not None:
+                error = RuntimeError(
+                    f"{ctx.layer}: double backward (create_graph=True) through a layer synchronized across "
+                    "replicas or processes is not supported; it is on one device in one process"
+                )
+                ctx.sync.abort(error)
+                raise error
+            return differentiable_backward(ctx, grad_output, batch_norm_with_batch_stats, (0, 1, 2, 10))
         try:
             return SyncBatchNormFunction._backward(ctx, grad_output)
         except BaseException as error:
-            if ctx.replica_call is not None:  # release the other replicas at once
-                ctx.replica_call.round.abort(error, ctx.replica_call.index)
+            if ctx.sync is not None:
+                ctx.sync.abort(error)
             raise
 
     @staticmethod
-    def _sum_over_replicas(ctx, both: Tensor) -> tuple[Tensor, Tensor]:
-        """(sum_dy, sum_dy_xmu) of every replica, and of every rank with a process_call, on
-        ``both``'s device."""
-
-        def sum_parts(parts: list[tuple[Tensor, object]]) -> tuple[Tensor, object]:
-            device = parts[0][0].device
-            total = sum_replica_tensors([devices.fetch(t, device, ready) for t, ready in parts], ctx.process_call)
-            return total, devices.mark_ready(total)
-
-        if ctx.replica_call is not None:
-            total, ready = ctx.replica_call.exchange("backward", (both, devices.mark_ready(both)), sum_parts)
-        else:
-            total, ready = sum_parts([(both, None)])
-        return devices.fetch(total, both.device, ready).chunk(2)
-
-    @staticmethod
     def _backward(ctx, grad_output: Tensor) -> tuple:
-        x, weight, bias, residual, mean, invstd = ctx.saved_tensors
+        input, weight, bias, residual, mean, invstd = ctx.saved_tensors
+        x = input.contiguous(memory_format=memory_format_of(input))
         dy = grad_output.contiguous(memory_format=memory_format_of(x))
-        kernels = kernels_for(x.device)
         if ctx.negative_slope is None:
-            sum_dy, sum_dy_xmu = kernels.backward_reduce(dy, x, mean)
+            sum_dy, sum_dy_xmu = torch.ops.syncbn.backward_reduce(dy, x, mean)
         else:  # dy through the activation, and its sums, in one pass
-            _, dy, sum_dy, sum_dy_xmu = kernels.backward_affine_act(
+            _, dy, sum_dy, sum_dy_xmu = torch.ops.syncbn.backward_affine_act(
                 dy, x, mean, invstd, weight, bias, residual, ctx.negative_slope, False, True, True
             )
-        grad_input = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            total_dy, total_dy_xmu = sum_dy, sum_dy_xmu
-            if ctx.replica_call is not None or ctx.process_call is not None:
-                total_dy, total_dy_xmu = SyncBatchNormFunction._sum_over_replicas(ctx, torch.cat([sum_dy, sum_dy_xmu]))
-            grad_input = kernels.backward_elemt(dy, x, mean, invstd, weight, total_dy, total_dy_xmu, ctx.count)
-        if weight is not None and ctx.needs_input_grad[1]:
+        wants_input, wants_weight, wants_bias = ctx.needs_input_grad[:3]
+        grad_input = grad_weight = grad_bias = grad_residual = None
+        if wants_input:
+            total_dy, total_dy_xmu = (sum_dy, sum_dy_xmu) if ctx.sync is None else ctx.sync.sum_grads(sum_dy, sum_dy_xmu)
+            grad_input = torch.ops.syncbn.backward_elemt(dy, x, mean, invstd, weight, total_dy, total_dy_xmu, ctx.count)
+        if weight is not None and wants_weight:
             grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
-        if bias is not None and ctx.needs_input_grad[2]:
+        if bias is not None and wants_bias:
             grad_bias = sum_dy.to(bias.dtype)
-        grads = [grad_input, grad_weight, grad_bias, *([None] * (len(ctx.needs_input_grad) - 3))]
-        if len(grads) > RESIDUAL_ARG and ctx.needs_input_grad[RESIDUAL_ARG]:
-            grads[RESIDUAL_ARG] = dy
-        return tuple(grads)
+        if residual is not None and ctx.needs_input_grad[10]:
+            grad_residual = dy
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, grad_residual, None
 
 
-RESIDUAL_ARG = 11
-"""Where ``residual`` is among :meth:`SyncBatchNormFunction.forward`'s arguments (after ctx)."""
+def batch_norm_with_batch_stats(ctx, input: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None) -> Tensor:
+    """The training forward in torch's differentiable ops (what double backward differentiates)."""
+    y = F.batch_norm(input, None, None, weight, bias, True, 0.0, ctx.eps)
+    return reference.activation(y if residual is None else y + residual, ctx.negative_slope)
+
+
+def differentiable_backward(ctx, grad_output: Tensor, recompute, positions: tuple[int, int, int, int]) -> tuple:
+    """Backward for ``create_graph=True``: ``recompute(ctx, input, weight, bias, residual)`` (the
+    forward in differentiable ops, on the first four saved tensors) differentiated by autograd,
+    so that the gradients are differentiable in turn. ``positions``: where input, weight, bias
+    and residual are among the Function's inputs."""
+    input, weight, bias, residual = ctx.saved_tensors[:4]
+    wanted = [
+        (i, t)
+        for i, t in zip(positions, (input, weight, bias, residual))
+        if t is not None and ctx.needs_input_grad[i]
+    ]
+    with torch.enable_grad():
+        y = recompute(ctx, input, weight, bias, residual)
+        grads = torch.autograd.grad(y, [t for _, t in wanted], grad_output, create_graph=True, allow_unused=True)
+    result: list[Tensor | None] = [None] * len(ctx.needs_input_grad)
+    for (i, _), grad in zip(wanted, grads):
+        result[i] = grad
+    return tuple(result)
 
 
 def sync_batch_norm(
@@ -292,18 +324,10 @@ def sync_batch_norm(
     ``p if p > 0 else p * negative_slope`` (ReLU: 0.0). Returns ``y``, shaped and laid out as
     ``input``.
     """
-    return SyncBatchNormFunction.apply(
-        input,
-        weight,
-        bias,
-        running_mean,
-        running_var,
-        num_batches_tracked,
-        momentum,
-        eps,
-        replica_call,
-        layer,
-        process_call,
-        residual,
+    replicated = replica_call is not None or process_call is not None
+    sync = SyncCall(replica_call, process_call, layer) if replicated else None
+    y, _, _ = SyncBatchNormFunction.apply(
+        input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, sync, layer, residual,
         negative_slope,
     )
+    return y

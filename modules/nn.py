@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from functions import frozen_batch_norm, kernels_for, sync_batch_norm
+from functions import frozen_batch_norm, serves_single_device, sync_batch_norm
 from functions.distributed import ProcessGroupSync, active_process_group, consecutive_rank_groups, report_failure
 from functions.replicas import REPLICA_ATTR, ReplicaHandle, RoundTracker, resolve_timeout
 
@@ -223,6 +223,8 @@ class SyncBatchNorm(_BatchNorm):
         return replica
 
     def forward(self, input: Tensor, z: Tensor | None = None) -> Tensor:
+        if isinstance(input, torch.fx.Proxy):
+            return self._record_fx_call(input, z)
         handle: ReplicaHandle | None = getattr(self, REPLICA_ATTR)
         try:
             return self._forward(input, z, handle)
@@ -231,6 +233,13 @@ class SyncBatchNorm(_BatchNorm):
                 handle.round.abort(error, handle.index)
             raise
 
+    def _record_fx_call(self, input: torch.fx.Proxy, z: Any) -> torch.fx.Proxy:
+        """Under torch.fx symbolic tracing: one ``call_module`` node, as for torch's batch norm
+        (a leaf: rank checks and routing read values that a Proxy does not have)."""
+        tracer = input.tracer
+        args = (input,) if z is None else (input, z)
+        return tracer.create_proxy("call_module", tracer.path_of_module(self), args, {})
+
     def _forward(self, input: Tensor, z: Tensor | None, handle: ReplicaHandle | None) -> Tensor:
         uses_batch_stats = not self.frozen and (
             self.training or (self.running_mean is None and self.running_var is None)
@@ -238,20 +247,32 @@ class SyncBatchNorm(_BatchNorm):
         if not uses_batch_stats:
             return self._forward_fixed_stats(input, z)
         group = active_process_group(self.process_group, self._label())
-        # the master replica of each process (or the lone layer) takes part in the collectives
-        process_call = None
-        if group is not None and (handle is None or handle.index == 0):
-            process_call = self._process_sync.next_call(group, self._label())
-        self._check_input_before(process_call, input, z)
         replicated = handle is not None and handle.round.size > 1
-        # a lone replica of a lone process takes our kernels only where they beat torch's own
-        if not (replicated or group is not None or kernels_for(input.device).serves_single_device):
+        if replicated or group is not None:
+            return self._forward_synced(input, z, handle, group, replicated)
+        self._check_input(input, z)
+        if not serves_single_device(input.device):  # torch's own batch norm beats our kernels here
             if input.numel() == input.size(1):
                 raise ValueError(
                     f"{self._label()}: Expected more than 1 value per channel when training, "
                     f"got input size {input.size()}"
                 )
             return self._activate(super().forward(input), z)
+        return self._sync_batch_norm(input, z, None, None)
+
+    @torch.compiler.disable
+    def _forward_synced(
+        self, input: Tensor, z: Tensor | None, handle: ReplicaHandle | None, group: Any, replicated: bool
+    ) -> Tensor:
+        """Replicas or ranks exchange statistics (eagerly: torch.compile breaks the graph here)."""
+        # the master replica of each process (or the lone layer) takes part in the collectives
+        process_call = None
+        if group is not None and (handle is None or handle.index == 0):
+            process_call = self._process_sync.next_call(group, self._label())
+        self._check_input_before(process_call, input, z)
+        return self._sync_batch_norm(input, z, handle.next_call() if replicated else None, process_call)
+
+    def _sync_batch_norm(self, input: Tensor, z: Tensor | None, replica_call: Any, process_call: Any) -> Tensor:
         updates = self.training and self.track_running_stats
         return sync_batch_norm(
             input,
@@ -262,7 +283,7 @@ class SyncBatchNorm(_BatchNorm):
             self.momentum,
             self.eps,
             num_batches_tracked=self.num_batches_tracked if updates else None,
-            replica_call=handle.next_call() if replicated else None,
+            replica_call=replica_call,
             process_call=process_call,
             layer=self._label(),
             residual=z,
@@ -273,7 +294,7 @@ class SyncBatchNorm(_BatchNorm):
         """Frozen, or eval with running statistics: no update, no communication."""
         self._check_input(input, z)
         plain = not self.frozen and z is None and self.activation is None
-        if plain or not kernels_for(input.device).serves_single_device:
+        if plain or not serves_single_device(input.device):
             # torch's own eval-mode batch norm (bit-exact, double-differentiable), act unfused
             y = F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
             return self._activate(y, z)

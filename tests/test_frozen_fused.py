@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from functions import frozen_batch_norm, kernels_for
+from functions import frozen_batch_norm, serves_single_device
 from functions.replicas import ReplicaRound
 from helpers import assert_same_state, randomize_affine
 from modules import nn as NN
@@ -233,7 +233,7 @@ def test_backend_serves_frozen_and_fused_through_our_kernels_where_they_serve() 
     layer = NN.BatchNorm2d(3, frozen=True, activation="relu")
     x = torch.randn(2, 3, 4, 4, requires_grad=True)
     y = layer(x)
-    ours = kernels_for(x.device).serves_single_device
+    ours = serves_single_device(x.device)
     assert (type(y.grad_fn).__name__ == "FrozenBatchNormFunctionBackward") == ours, y.grad_fn
     # plain eval stays torch's own batch norm (bit-exact with nn.BatchNorm2d)
     plain = NN.BatchNorm2d(3).eval()

@@ -14,10 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from functions import backend, sync_batch_norm
+from functions.ops import affine_act_grads
 from functions import reference as ref
-from functions.sync_batchnorm import memory_format_of
+from functions.reference import memory_format_of
 
 COMPILED = backend.COMPILED
+OPS = torch.ops.syncbn  # the compiled kernels on CPU tensors, where they are loaded
 needs_compiled = pytest.mark.skipif(COMPILED is None, reason="compiled kernels not built or SYNCBN_KERNELS=reference")
 
 # (shape, memory format): planar, interleaved and the odd ones
@@ -83,12 +85,13 @@ def expected_stride(x: torch.Tensor) -> tuple:
 
 
 def assert_all_ops_match(x: torch.Tensor, ops=None) -> None:
-    """Every op of ``ops`` (default: the compiled CPU kernels) against the reference, on x's device."""
-    ops, dtype, count = ops or COMPILED.cpu, x.dtype, x.numel() // x.size(1)
+    """Every operator (``ops``, default torch.ops.syncbn: whatever serves x's device) against the
+    reference, on x's device."""
+    ops, dtype, count = ops or OPS, x.dtype, x.numel() // x.size(1)
     stride = expected_stride(x)
-    n, mean, m2 = ops.local_stats(x)
-    n_ref, mean_ref, m2_ref = ref.local_stats(x)
-    assert n == n_ref and mean.dtype == m2.dtype == torch.float64
+    mean, m2 = ops.local_stats(x)
+    mean_ref, m2_ref = ref.local_stats(x)
+    assert mean.dtype == m2.dtype == torch.float64 and mean.device == x.device
     stats_tol = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mean, mean_ref, **stats_tol)
     torch.testing.assert_close(m2, m2_ref, atol=stats_tol["atol"] * max(count, 1), rtol=stats_tol["rtol"])
@@ -124,7 +127,7 @@ def clear_of_the_kink(x, mean, invstd, weight, bias, residual) -> torch.Tensor:
 def assert_fused_ops_match(x: torch.Tensor, ops=None) -> None:
     """elemt_forward with a residual and an activation, and backward_affine_act with every
     combination of outputs, against the reference (``ops`` as in assert_all_ops_match)."""
-    ops, dtype, count = ops or COMPILED.cpu, x.dtype, x.numel() // x.size(1)
+    ops, dtype, count = ops or OPS, x.dtype, x.numel() // x.size(1)
     stride = expected_stride(x)
     mean, invstd, weight, bias = per_channel_args(x)
     bias = bias - 5  # about half the values below 0
@@ -140,8 +143,8 @@ def assert_fused_ops_match(x: torch.Tensor, ops=None) -> None:
         for input_grad, residual_grad, sums in [(True, True, True), (True, False, False), (False, True, True),
                                                 (False, False, True), (False, False, False)]:
             flags = (input_grad, residual_grad, sums)
-            got = ops.backward_affine_act(dy_clear, *args, *flags)
-            expected = ref.backward_affine_act(dy_clear, *args, *flags)
+            got = affine_act_grads(ops.backward_affine_act(dy_clear, *args, *flags), *flags)
+            expected = affine_act_grads(ref.backward_affine_act(dy_clear, *args, *flags), *flags)
             for name, a, b in zip(["dx", "g"], got[:2], expected[:2]):
                 assert (a is None) == (b is None), name
                 if a is not None:
@@ -198,7 +201,7 @@ def test_merge_stats_matches_reference() -> None:
     means = torch.randn(4, 6, generator=generator, dtype=torch.float64) * 100
     m2s = torch.rand(4, 6, generator=generator, dtype=torch.float64) * counts.unsqueeze(1)
     means[1], m2s[1] = 0, 0  # an empty part carries zeros
-    for got, expected in zip(COMPILED.cpu.merge_stats(counts, means, m2s), ref.merge_stats(counts, means, m2s)):
+    for got, expected in zip(OPS.merge_stats(counts, means, m2s), ref.merge_stats(counts, means, m2s)):
         torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-13)
 
 
@@ -207,7 +210,8 @@ def test_merge_stats_matches_reference() -> None:
 def test_float32_statistics_of_a_large_mean_are_precise(shape, memory_format) -> None:
     # mean 1e4, std 1: the pivot shift keeps float32 Welford lanes as precise as float64 sums
     x = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) + 1e4).contiguous(memory_format=memory_format)
-    count, mean, m2 = COMPILED.cpu.local_stats(x)
+    mean, m2 = OPS.local_stats(x)
+    count = ref.values_per_channel(x)
     truth = x.double()
     dims = ref.reduction_dims(x)
     torch.testing.assert_close(mean, truth.mean(dims), rtol=1e-9, atol=0)
@@ -221,8 +225,8 @@ def test_non_finite_values_propagate_like_torch() -> None:
     x[0, 1, 0, 0] = float("inf")  # the channel's first value: no finite pivot
     x[5, 2, 1, 1] = float("-inf")
     for layout in [torch.contiguous_format, torch.channels_last]:
-        _, mean, m2 = COMPILED.cpu.local_stats(x.contiguous(memory_format=layout))
-        _, mean_ref, m2_ref = ref.local_stats(x)
+        mean, m2 = OPS.local_stats(x.contiguous(memory_format=layout))
+        mean_ref, m2_ref = ref.local_stats(x)
         torch.testing.assert_close(mean, mean_ref, equal_nan=True)
         assert mean[1] == float("inf") and mean[2] == float("-inf") and m2[:3].isnan().all()
 
@@ -233,17 +237,17 @@ def test_results_do_not_depend_on_the_thread_count() -> None:
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = COMPILED.cpu.local_stats(x)
+        one = OPS.local_stats(x)
     finally:
         torch.set_num_threads(threads)
-    for a, b in zip(one[1:], COMPILED.cpu.local_stats(x)[1:]):
+    for a, b in zip(one, OPS.local_stats(x)):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-12)
 
 
 @needs_compiled
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
 def test_gradcheck_through_compiled_kernels(memory_format) -> None:
-    assert backend.kernels_for(torch.device("cpu")).name.startswith("compiled-cpu")
+    assert backend.backend_name(torch.device("cpu")).startswith("compiled-cpu")
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(3, 4, 3, 2, dtype=torch.float64, generator=generator).contiguous(memory_format=memory_format)
     weight = torch.rand(4, dtype=torch.float64, generator=generator) + 0.5
@@ -262,17 +266,17 @@ def test_gradcheck_through_compiled_kernels(memory_format) -> None:
 ], ids=["integer dtype", "rank 1", "wrong channel count", "dy shape", "dy dtype"])
 def test_bad_arguments_raise(call) -> None:
     with pytest.raises(RuntimeError, match="syncbn"):
-        call(COMPILED.cpu)
+        call(OPS)
 
 
 def test_cpu_backend_is_compiled_unless_the_reference_is_forced() -> None:
     if backend.FORCE_REFERENCE:
         assert backend.backend_info()["cpu"] == "reference"
-        assert backend.kernels_for(torch.device("cpu")) is backend.REFERENCE
+        assert not backend.serves_single_device(torch.device("cpu"))
         return
     assert COMPILED is not None, f"the compiled CPU kernels are not built: {backend.BUILD_HINT}"
-    assert COMPILED.cpu.capability in backend.usable_cpu_capabilities()
-    assert backend.backend_info()["cpu"] == f"compiled-cpu-{COMPILED.cpu.capability.lower()}"
+    assert COMPILED.capability in backend.usable_cpu_capabilities()
+    assert backend.backend_info()["cpu"] == f"compiled-cpu-{COMPILED.capability.lower()}"
 
 
 def test_missing_extension_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from functions import SyncBatchNormFunction, kernels_for
+from functions import SyncBatchNormFunction, serves_single_device
 from functions.replicas import ReplicaRound
 from helpers import randomize_affine
 from modules import nn as NN
@@ -68,7 +68,7 @@ def test_single_device_is_torchs_computation_where_torch_is_faster() -> None:
     torch.manual_seed(0)
     theirs = randomize_affine(nn.BatchNorm2d(4, momentum=None))
     ours = NN.SyncBatchNorm2d(4, momentum=None)
-    ours_in_training = kernels_for(torch.device("cpu")).serves_single_device
+    ours_in_training = serves_single_device(torch.device("cpu"))
     for training, batch in [(True, 6), (True, 0), (True, 3), (False, 5), (False, 0)]:
         ours.load_state_dict(theirs.state_dict())
         theirs.train(training)
@@ -84,13 +84,12 @@ def test_single_device_is_torchs_computation_where_torch_is_faster() -> None:
 def test_single_device_training_takes_compiled_kernels() -> None:
     # the compiled CPU kernels beat nn.BatchNorm (benchmarks/RESULTS.md), so a lone replica uses
     # them; the pure-PyTorch reference does not, so torch's own batch norm serves then
-    kernels = kernels_for(torch.device("cpu"))
     layer = NN.SyncBatchNorm2d(3)
     calls = []
-    with mock.patch.object(SyncBatchNormFunction, "apply", side_effect=lambda *a: calls.append(a) or a[0]):
+    with mock.patch.object(SyncBatchNormFunction, "apply", side_effect=lambda *a: calls.append(a) or (a[0], None, None)):
         layer(torch.randn(4, 3, 2, 2))
         layer.eval()(torch.randn(4, 3, 2, 2))
-    assert len(calls) == (1 if kernels.serves_single_device else 0)
+    assert len(calls) == (1 if serves_single_device(torch.device("cpu")) else 0)
 
 
 def count_exchanges(monkeypatch: pytest.MonkeyPatch) -> list:

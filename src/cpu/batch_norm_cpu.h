@@ -4,13 +4,15 @@
 
 #include <ATen/ATen.h>
 
+#include "operators.h"
+
 #include <optional>
 #include <tuple>
 
 namespace syncbn::cpu {
 
-// Count (values per channel), mean and M2 of each channel of x (N, C, *), in float64.
-std::tuple<int64_t, at::Tensor, at::Tensor> local_stats(const at::Tensor& input);
+// Mean and M2 of each channel of x (N, C, *), in float64.
+std::tuple<at::Tensor, at::Tensor> local_stats(const at::Tensor& input);
 
 // Mean and biased variance of the union of R parts: counts (R,), means and m2s (R, C).
 std::tuple<at::Tensor, at::Tensor> merge_stats(const at::Tensor& counts, const at::Tensor& means,
@@ -33,9 +35,8 @@ at::Tensor backward_elemt(const at::Tensor& grad_output, const at::Tensor& input
 
 // The backward of elemt_forward with mean and invstd fixed, in one pass: g = dy * act'(pre)
 // (pre recomputed as in the forward), dx = g * scale, and per-channel sum(g) and
-// sum(g * (x - mean)) in mean's dtype; each only when asked for (else None).
-std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
-backward_affine_act(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
+// sum(g * (x - mean)) in mean's dtype; each only when asked for (else an empty tensor).
+AffineActGrads backward_affine_act(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
                     const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
                     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
                     std::optional<double> negative_slope, bool input_grad, bool residual_grad, bool sums);

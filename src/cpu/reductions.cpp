@@ -421,16 +421,16 @@ std::pair<at::Tensor, at::Tensor> sums_to_tensors(const std::vector<GradSums>& s
 
 }  // namespace
 
-std::tuple<int64_t, at::Tensor, at::Tensor> local_stats(const at::Tensor& input) {
+std::tuple<at::Tensor, at::Tensor> local_stats(const at::Tensor& input) {
   check_input(input, "local_stats");
   const auto [x, l] = as_layout(input);
   auto mean = at::zeros({l.C}, input.options().dtype(at::kDouble));
   auto m2 = at::zeros({l.C}, input.options().dtype(at::kDouble));
-  if (l.rows() == 0 || l.C == 0) return {0, mean, m2};
+  if (l.rows() == 0 || l.C == 0) return {mean, m2};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_local_stats", [&] {
     local_stats_kernel<scalar_t>(x, l, mean.data_ptr<double>(), m2.data_ptr<double>());
   });
-  return {l.rows(), mean, m2};
+  return {mean, m2};
 }
 
 std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& grad_output, const at::Tensor& input,
@@ -456,8 +456,7 @@ std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& grad_output
   return {sum_dy, sum_dy_xmu};
 }
 
-std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
-backward_affine_act(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_affine_act(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
                     const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
                     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
                     std::optional<double> negative_slope, bool input_grad, bool residual_grad, bool sums) {
@@ -488,7 +487,7 @@ backward_affine_act(const at::Tensor& grad_output, const at::Tensor& input, cons
   }
   std::optional<at::Tensor> sum_g, sum_g_xmu;
   if (sums) std::tie(sum_g, sum_g_xmu) = sums_to_tensors(channel_sums, l.C, input.options(), mean.scalar_type());
-  return {dx, g, sum_g, sum_g_xmu};
+  return affine_act_outputs(dx, g, sum_g, sum_g_xmu, x, mean);
 }
 
 std::tuple<at::Tensor, at::Tensor> merge_stats(const at::Tensor& counts, const at::Tensor& means,

@@ -6,13 +6,15 @@
 
 #include <ATen/ATen.h>
 
+#include "operators.h"
+
 #include <optional>
 #include <tuple>
 
 namespace syncbn::cuda {
 
-// Count (values per channel, from the shape), mean and M2 of each channel of x (N, C, *), in float64.
-std::tuple<int64_t, at::Tensor, at::Tensor> local_stats(const at::Tensor& input);
+// Mean and M2 of each channel of x (N, C, *), in float64.
+std::tuple<at::Tensor, at::Tensor> local_stats(const at::Tensor& input);
 
 // Mean and biased variance of the union of R parts: counts (R,), means and m2s (R, C).
 std::tuple<at::Tensor, at::Tensor> merge_stats(const at::Tensor& counts, const at::Tensor& means,
@@ -34,10 +36,8 @@ at::Tensor backward_elemt(const at::Tensor& grad_output, const at::Tensor& input
                           const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu, int64_t count);
 
 // One pass: g = dy * act'(pre) (pre recomputed as elemt_forward computes it); returns
-// (dx = g * scale | None, g | None, sum(g) | None, sum(g * (x - mean)) | None).
-std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>,
-           std::optional<at::Tensor>>
-backward_affine_act(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
+// (dx = g * scale, g, sum(g), sum(g * (x - mean))), each an empty tensor unless asked for.
+AffineActGrads backward_affine_act(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
                     const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
                     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
                     std::optional<double> negative_slope, bool input_grad, bool residual_grad, bool sums);

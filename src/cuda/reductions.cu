@@ -155,12 +155,12 @@ struct AffineActOp {
 
 }  // namespace
 
-std::tuple<int64_t, at::Tensor, at::Tensor> local_stats(const at::Tensor& input) {
+std::tuple<at::Tensor, at::Tensor> local_stats(const at::Tensor& input) {
   const Operands o("local_stats", input);
   const auto& x = o.x;
   const auto& l = o.l;
   const auto options = input.options().dtype(at::kDouble);
-  if (l.rows() == 0 || l.C == 0) return {0, at::zeros({l.C}, options), at::zeros({l.C}, options)};
+  if (l.rows() == 0 || l.C == 0) return {at::zeros({l.C}, options), at::zeros({l.C}, options)};
   auto mean = at::empty({l.C}, options), m2 = at::empty({l.C}, options);
   const auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_cuda_local_stats", [&] {
@@ -168,7 +168,7 @@ std::tuple<int64_t, at::Tensor, at::Tensor> local_stats(const at::Tensor& input)
                                m2.data_ptr<double>()};
     launch_reduction<scalar_t>(op, l, can_vectorize(l, kVec<scalar_t>, {op.x}), options, stream);
   });
-  return {l.rows(), mean, m2};
+  return {mean, m2};
 }
 
 std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& grad_output, const at::Tensor& input,
@@ -188,9 +188,7 @@ std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& grad_output
   return {sums[0].to(mean.scalar_type()), sums[1].to(mean.scalar_type())};
 }
 
-std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>,
-           std::optional<at::Tensor>>
-backward_affine_act(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_affine_act(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
                     const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
                     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
                     std::optional<double> negative_slope, bool input_grad, bool residual_grad, bool sums) {
@@ -202,8 +200,8 @@ backward_affine_act(const at::Tensor& grad_output, const at::Tensor& input, cons
   const auto r = act ? o.like_x(residual, "residual") : at::Tensor();  // no activation: not read
   std::optional<at::Tensor> dx, g, sum_g, sum_g_xmu;
   if (input_grad) dx = at::empty_like(x);
-  // without an activation g is dy itself (as the reference's g.to(dy.dtype) is)
-  if (residual_grad) g = act ? at::empty_like(x) : dy;
+  // without an activation g is dy (a copy: an operator's output never aliases its input)
+  if (residual_grad) g = act ? at::empty_like(x) : dy.clone();
   at::Tensor out_sums;
   if (sums) {
     out_sums = at::zeros({2, l.C}, m.options());
@@ -212,8 +210,8 @@ backward_affine_act(const at::Tensor& grad_output, const at::Tensor& input, cons
   }
   const bool writes = input_grad || (residual_grad && act);
   if (l.numel() == 0 || (!writes && !sums)) {
-    if (sums) return {dx, g, sum_g->to(mean.scalar_type()), sum_g_xmu->to(mean.scalar_type())};
-    return {dx, g, sum_g, sum_g_xmu};
+    if (sums) return affine_act_outputs(dx, g, sum_g->to(mean.scalar_type()), sum_g_xmu->to(mean.scalar_type()), x, mean);
+    return affine_act_outputs(dx, g, sum_g, sum_g_xmu, x, mean);
   }
   const auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_cuda_backward_affine_act", [&] {
@@ -242,7 +240,7 @@ backward_affine_act(const at::Tensor& grad_output, const at::Tensor& input, cons
     sum_g = sum_g->to(mean.scalar_type());
     sum_g_xmu = sum_g_xmu->to(mean.scalar_type());
   }
-  return {dx, g, sum_g, sum_g_xmu};
+  return affine_act_outputs(dx, g, sum_g, sum_g_xmu, x, mean);
 }
 
 std::tuple<at::Tensor, at::Tensor> merge_stats(const at::Tensor& counts, const at::Tensor& means,

@@ -1,0 +1,58 @@
+// What the CPU and CUDA kernels share as implementations of the torch.ops.syncbn operators,
+// whose schemas are declared once, in functions/ops.py: the output convention of
+// backward_affine_act, the lone replica's training forward (composed of the other operators),
+// and the registration of one device's kernels.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+namespace syncbn {
+
+// backward_affine_act's (dx, g, sum_g, sum_g_xmu): what was not asked for is an empty tensor
+// (an operator returns tensors, never None), with x's options for dx and g, mean's for the sums.
+using AffineActGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+inline AffineActGrads affine_act_outputs(const std::optional<at::Tensor>& dx, const std::optional<at::Tensor>& g,
+                                         const std::optional<at::Tensor>& sum_g,
+                                         const std::optional<at::Tensor>& sum_g_xmu, const at::Tensor& x,
+                                         const at::Tensor& mean) {
+  const auto or_empty = [](const std::optional<at::Tensor>& t, const at::Tensor& like) {
+    return t && t->defined() ? *t : at::empty({0}, like.options());
+  };
+  return {or_empty(dx, x), or_empty(g, x), or_empty(sum_g, mean), or_empty(sum_g_xmu, mean)};
+}
+
+// running = (1 - factor) * running + factor * batch with the unbiased var * count / (count - 1);
+// factor = momentum, or 1 / num_batches_tracked (after its increment) when momentum is None.
+// num_batches_tracked counts every call, an empty batch (count 0) only counts. No host sync.
+void update_running_stats(const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
+                          const std::optional<at::Tensor>& num_batches_tracked, std::optional<double> momentum,
+                          const at::Tensor& mean, const at::Tensor& var, int64_t count);
+
+// A lone replica's training forward in one call: local_stats, update_running_stats and
+// elemt_forward. Returns (y, mean, invstd), mean and invstd in the accumulation dtype.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_train(
+    const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
+    const std::optional<at::Tensor>& num_batches_tracked, std::optional<double> momentum, double eps,
+    const std::optional<at::Tensor>& residual, std::optional<double> negative_slope);
+
+}  // namespace syncbn
+
+// Registers (in a file that includes <torch/library.h>) the kernels of namespace NS (local_stats, merge_stats, elemt_forward,
+// backward_reduce, backward_elemt, backward_affine_act) and the composite operators for the
+// dispatch key KEY (CPU, CUDA).
+#define SYNCBN_REGISTER_KERNELS(KEY, NS)                                    \
+  TORCH_LIBRARY_IMPL(syncbn, KEY, m) {                                      \
+    m.impl("local_stats", TORCH_FN(NS::local_stats));                       \
+    m.impl("merge_stats", TORCH_FN(NS::merge_stats));                       \
+    m.impl("elemt_forward", TORCH_FN(NS::elemt_forward));                   \
+    m.impl("backward_reduce", TORCH_FN(NS::backward_reduce));               \
+    m.impl("backward_elemt", TORCH_FN(NS::backward_elemt));                 \
+    m.impl("backward_affine_act", TORCH_FN(NS::backward_affine_act));       \
+    m.impl("update_running_stats", TORCH_FN(syncbn::update_running_stats)); \
+    m.impl("batch_norm_train", TORCH_FN(syncbn::batch_norm_train));         \
+  }
