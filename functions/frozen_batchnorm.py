@@ -22,6 +22,7 @@ from .sync_batchnorm import differentiable_backward
 
 
 class FrozenBatchNormFunction(Function):
+    generate_vmap_rule = True  # the operators have vmap rules (functions/ops.py)
     """Batch norm with fixed statistics (see the module docstring).
 
     ``apply(input, weight, bias, residual, running_mean, running_var, eps, negative_slope)``

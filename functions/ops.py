@@ -123,3 +123,104 @@ def affine_act_grads(outputs: tuple[Tensor, Tensor, Tensor, Tensor], input_grad:
     """``backward_affine_act``'s outputs with what was not asked for as None."""
     dx, g, sum_g, sum_g_xmu = outputs
     return dx if input_grad else None, g if residual_grad else None, *((sum_g, sum_g_xmu) if sums else (None, None))
+
+
+# vmap: the vmapped dimension B becomes part of the channels. A full-size argument (N, C, *)
+# batched as (..B..) is seen as (N, B*C, *), a per-channel one as (B*C,); unbatched arguments are
+# expanded; per-channel statistics of each (b, c) are exactly those of channel c of sample b.
+FULL, CHANNEL, ROWS, OTHER = "full", "channel", "rows", "other"
+"""Kinds of operator arguments and outputs for the vmap rules: (N, C, *), (C,), (R, C), other."""
+
+_VMAP_KINDS = {
+    "local_stats": ((FULL,), (CHANNEL, CHANNEL)),
+    "merge_stats": ((OTHER, ROWS, ROWS), (CHANNEL, CHANNEL)),
+    "elemt_forward": ((FULL, CHANNEL, CHANNEL, CHANNEL, CHANNEL, FULL, OTHER), (FULL,)),
+    "backward_reduce": ((FULL, FULL, CHANNEL), (CHANNEL, CHANNEL)),
+    "backward_elemt": ((FULL, FULL, CHANNEL, CHANNEL, CHANNEL, CHANNEL, CHANNEL, OTHER), (FULL,)),
+    "backward_affine_act": (
+        (FULL, FULL, CHANNEL, CHANNEL, CHANNEL, CHANNEL, FULL, OTHER, OTHER, OTHER, OTHER),
+        (FULL, FULL, CHANNEL, CHANNEL),
+    ),
+}
+
+
+def _fold(t, dim: int | None, kind: str, size: int):
+    """``t`` with the vmapped dimension ``dim`` (None: unbatched) folded into its channels."""
+    if t is None or kind == OTHER or not isinstance(t, Tensor):
+        if kind == OTHER and isinstance(t, Tensor) and dim is not None:
+            raise RuntimeError("syncbn: vmap over the counts of merge_stats is not supported")
+        return t
+    axis = {FULL: 1, CHANNEL: 0, ROWS: 1}[kind]
+    t = t.unsqueeze(axis).expand(*t.shape[:axis], size, *t.shape[axis:]) if dim is None else t.movedim(dim, axis)
+    return t.reshape(*t.shape[:axis], size * t.size(axis + 1), *t.shape[axis + 2 :])
+
+
+def _unfold(t: Tensor, kind: str, size: int) -> tuple[Tensor, int | None]:
+    """An output in the folded channels, with the vmapped dimension split out again, and where it is."""
+    if t.numel() == 0 and t.dim() == 1 and kind != CHANNEL:  # not asked for (backward_affine_act)
+        return t, None
+    if kind == CHANNEL:
+        return (t, None) if t.numel() == 0 else (t.reshape(size, -1), 0)
+    return t.reshape(t.size(0), size, -1, *t.shape[2:]), 1
+
+
+def _all_positional(op, in_dims: tuple, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
+    """Every argument of ``op`` in schema order (torch passes some as keywords) and their dims."""
+    names = [a.name for a in op._schema.arguments]
+    rest = names[len(args):]
+    args = (*args, *(kwargs.get(n) if n in kwargs else op._schema.arguments[names.index(n)].default_value for n in rest))
+    return args, (*in_dims, *([None] * len(rest)))
+
+
+def _folding_rule(name: str):
+    arg_kinds, out_kinds = _VMAP_KINDS[name]
+    op = getattr(torch.ops.syncbn, name).default
+
+    def rule(info, in_dims, *args, **kwargs):
+        args, in_dims = _all_positional(op, in_dims, args, kwargs)
+        folded = [_fold(a, d, k, info.batch_size) for a, d, k in zip(args, in_dims, arg_kinds)]
+        outputs = op(*folded)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        unfolded = [_unfold(t, k, info.batch_size) for t, k in zip(outputs, out_kinds)]
+        values, dims = tuple(t for t, _ in unfolded), tuple(d for _, d in unfolded)
+        return (values[0], dims[0]) if len(values) == 1 else (values, dims)
+
+    return rule
+
+
+def _check_running_stats_under_vmap(in_dims, running_mean, momentum) -> None:
+    if running_mean is not None and (in_dims[3] is None or in_dims[4] is None):
+        raise RuntimeError(
+            "syncbn: vmap over a batch norm in training updates running statistics that are not vmapped; "
+            "use torch.func.replace_all_batch_norm_modules_ (no running statistics), or vmap them too"
+        )
+    if running_mean is not None and momentum is None:
+        raise RuntimeError("syncbn: vmap over a batch norm with momentum=None (the cumulative average) is not supported")
+
+
+def _batch_norm_train_rule(info, in_dims, *args, **kwargs):
+    args, in_dims = _all_positional(torch.ops.syncbn.batch_norm_train.default, in_dims, args, kwargs)
+    x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, residual, negative_slope = args
+    _check_running_stats_under_vmap(in_dims, running_mean, momentum)
+    size = info.batch_size
+    stats = [None if t is None else _fold(t, d, CHANNEL, size).clone() for t, d in zip((running_mean, running_var), in_dims[3:5])]
+    y, mean, invstd = torch.ops.syncbn.batch_norm_train(
+        _fold(x, in_dims[0], FULL, size), _fold(weight, in_dims[1], CHANNEL, size), _fold(bias, in_dims[2], CHANNEL, size),
+        *stats, None, momentum, eps, _fold(residual, in_dims[8], FULL, size), negative_slope,
+    )
+    for running, dim, updated in zip((running_mean, running_var), in_dims[3:5], stats):
+        if running is not None:
+            running.movedim(dim, 0).copy_(updated.view(size, -1))
+    if num_batches_tracked is not None:
+        num_batches_tracked.add_(1)
+    return (_unfold(y, FULL, size)[0], mean.view(size, -1), invstd.view(size, -1)), (1, 0, 0)
+
+
+def register_vmap_rules() -> None:
+    """A vmap rule for every operator (``update_running_stats`` only runs inside the others)."""
+    for name in _VMAP_KINDS:
+        torch.library.register_vmap(f"{NAMESPACE}::{name}", _folding_rule(name))
+    torch.library.register_vmap(f"{NAMESPACE}::batch_norm_train", _batch_norm_train_rule)
+
+
+register_vmap_rules()

@@ -167,6 +167,7 @@ class SyncCall:
 
 
 class SyncBatchNormFunction(Function):
+    generate_vmap_rule = True  # the operators have vmap rules (functions/ops.py)
     """Batch norm with statistics over every replica's batch (see the module docstring).
 
     ``apply(input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
