@@ -1,0 +1,217 @@
+"""Our layers in PyTorch's tool chain, side by side with nn.BatchNorm* (or with eager): torch.compile
+(fullgraph, one compile per mode, several training steps), torch.export, torch.fx, torch.func
+(grad and vmap with functorch's batch-norm recipe), double backward, and ThreadedDataParallel
+under torch.compile."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from helpers import randomize_affine, run_threads, stock_replicas
+from modules import nn as NN
+from modules.parallel import ThreadedDataParallel
+
+
+class Block(nn.Module):
+    """A ResNet basic block: conv-BN-ReLU-conv-BN, residual add, ReLU."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + x)
+
+
+class SmallResNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.blocks = nn.Sequential(Block(8), Block(8))
+        self.head = nn.Linear(8, 4)
+        self.bn_head = nn.BatchNorm1d(4, momentum=None)  # the cumulative average
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(torch.relu(self.bn(self.stem(x))))
+        return self.bn_head(self.head(x.mean((2, 3))))
+
+
+def converted_pair(dtype: torch.dtype = torch.float64) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    theirs = randomize_affine(SmallResNet()).to(dtype)
+    return theirs, NN.convert_sync_batchnorm(copy.deepcopy(theirs))
+
+
+def assert_models_close(a: nn.Module, b: nn.Module, atol: float = 1e-10, rtol: float = 1e-10) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=rtol, msg=lambda m: f"grad of {name}: {m}")
+    for (name, s), t in zip(a.named_buffers(), b.buffers()):
+        torch.testing.assert_close(s, t, atol=atol, rtol=rtol, msg=lambda m: f"buffer {name}: {m}")
+
+
+def test_compile_fullgraph_matches_eager_and_compiles_once_per_mode() -> None:
+    _, ours = converted_pair()
+    eager = copy.deepcopy(ours)
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, fullgraph=True, dynamic=False)
+    with torch._dynamo.config.patch(error_on_recompile=False):
+        for step in range(4):
+            x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+            outputs = []
+            for model in (compiled, eager):
+                model.zero_grad()
+                y = model(x)
+                y.square().sum().backward()
+                outputs.append(y)
+            torch.testing.assert_close(outputs[0], outputs[1], atol=1e-10, rtol=1e-10)
+            assert_models_close(ours, eager)
+            if step == 0:  # every later step must reuse the first step's graph
+                torch._dynamo.config.error_on_recompile = True
+    torch._dynamo.reset()
+    ours.eval(), eager.eval()
+    compiled = torch.compile(ours, fullgraph=True, dynamic=False)
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    torch.testing.assert_close(compiled(x), eager(x), atol=1e-12, rtol=1e-12)
+
+
+def test_compile_of_frozen_and_fused_layers() -> None:
+    torch.manual_seed(0)
+    layer = NN.BatchNorm2d(4, activation="relu").double()
+    frozen = NN.BatchNorm2d(4, frozen=True).double()
+    x, z = torch.randn(3, 4, 5, 5, dtype=torch.float64), torch.randn(3, 4, 5, 5, dtype=torch.float64)
+    for module in (layer, frozen):
+        eager = copy.deepcopy(module)
+        torch._dynamo.reset()
+        y = torch.compile(module, fullgraph=True)(x, z)
+        torch.testing.assert_close(y, eager(x, z), atol=1e-12, rtol=1e-12)
+
+
+def test_export_in_training_and_eval() -> None:
+    _, ours = converted_pair()
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    for training in (True, False):
+        ours.train(training)
+        exported = torch.export.export(copy.deepcopy(ours), (x,))
+        reference = copy.deepcopy(ours)
+        torch.testing.assert_close(exported.module()(x), reference(x), atol=1e-12, rtol=1e-12)
+        names = {str(node.target) for node in exported.graph.nodes}
+        if training:
+            assert any("syncbn" in name for name in names), names
+
+
+def test_fx_symbolic_trace_gives_one_node_per_layer() -> None:
+    theirs, ours = converted_pair()
+    def bn_nodes(model: nn.Module) -> list[tuple[str, str]]:
+        graph = torch.fx.symbolic_trace(model).graph
+        return [(n.op, n.target) for n in graph.nodes if "bn" in str(n.target)]
+
+    assert bn_nodes(ours) == bn_nodes(theirs) and len(bn_nodes(ours)) == 6
+    traced = torch.fx.symbolic_trace(ours)
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    torch.testing.assert_close(traced(x), copy.deepcopy(ours)(x))
+    fused = NN.fuse_bn_act(NN.convert_sync_batchnorm(copy.deepcopy(theirs)))
+    assert sum(getattr(m, "activation", None) == "relu" for m in fused.modules()) == 3  # bn, bn1 of each block
+
+
+def functorch_pair() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    theirs = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2)).double()
+    randomize_affine(theirs)
+    ours = NN.convert_sync_batchnorm(copy.deepcopy(theirs))
+    for model in (theirs, ours):
+        torch.func.replace_all_batch_norm_modules_(model)
+    return theirs, ours
+
+
+def squared_error(model: nn.Module):
+    def loss(params: dict, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (functional_call(model, params, (x,)) - target).square().sum()
+
+    return loss
+
+
+def test_func_grad_and_per_sample_vmap_match_torch() -> None:
+    theirs, ours = functorch_pair()
+    x, target = torch.randn(5, 3, 6, 6, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    results = []
+    for model in (theirs, ours):
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        whole = grad(squared_error(model))(params, x, target)
+        per_sample = vmap(grad(squared_error(model)), in_dims=(None, 0, 0))(params, x.unsqueeze(1), target.unsqueeze(1))
+        results.append((whole, per_sample))
+    for (whole_t, per_t), (whole_o, per_o) in [results]:
+        for key in whole_t:
+            torch.testing.assert_close(whole_o[key], whole_t[key], atol=1e-10, rtol=1e-10)
+            torch.testing.assert_close(per_o[key], per_t[key], atol=1e-10, rtol=1e-10)
+
+
+def test_vmap_over_the_functional_forms() -> None:
+    from functions import frozen_batch_norm, sync_batch_norm
+
+    x = torch.randn(5, 2, 3, 4, 4, dtype=torch.float64)
+    weight, mean, var = torch.rand(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64), torch.rand(3, dtype=torch.float64) + 1
+    y = vmap(lambda v: sync_batch_norm(v, None, None, weight, None))(x)
+    expected = torch.stack([nn.functional.batch_norm(v, None, None, weight, None, True) for v in x])
+    torch.testing.assert_close(y, expected, atol=1e-12, rtol=1e-12)
+    y = vmap(lambda v: frozen_batch_norm(v, mean, var, weight, None, 1e-5, v, 0.0))(x)
+    expected = torch.relu(nn.functional.batch_norm(x.flatten(0, 1), mean, var, weight, None, False) + x.flatten(0, 1))
+    torch.testing.assert_close(y, expected.view_as(y), atol=1e-12, rtol=1e-12)
+    running = torch.zeros(3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="not vmapped"):
+        vmap(lambda v: sync_batch_norm(v, running, running.clone(), weight, None))(x)
+
+
+@pytest.mark.parametrize("kind", ["training", "fused", "frozen"])
+def test_double_backward_matches_torch(kind: str) -> None:
+    # a gradient penalty: the gradient of a function of the input gradient
+    torch.manual_seed(0)
+    theirs = randomize_affine(nn.BatchNorm2d(3)).double()
+    ours = NN.convert_sync_batchnorm(copy.deepcopy(theirs))
+    if kind == "frozen":
+        theirs.eval(), ours.freeze()
+    if kind == "fused":
+        ours.activation = "relu"
+    x = torch.randn(4, 3, 3, 3, dtype=torch.float64)
+    z = torch.randn(4, 3, 3, 3, dtype=torch.float64)
+    grads = []
+    for model in (theirs, ours):
+        xs, zs = x.clone().requires_grad_(), z.clone().requires_grad_()
+        y = torch.relu(model(xs) + zs) if model is theirs and kind == "fused" else model(xs, zs) if kind == "fused" else model(xs)
+        gx, = torch.autograd.grad(y.pow(3).sum(), xs, create_graph=True)
+        gx.square().sum().backward()
+        grads.append([xs.grad, model.weight.grad, model.bias.grad] + ([zs.grad] if kind == "fused" else []))
+    for got, expected in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
+
+
+def test_double_backward_across_replicas_raises_naming_the_layer() -> None:
+    layer = NN.SyncBatchNorm2d(3).double()
+    layer.layer_name = "encoder.bn1"
+    replicas = stock_replicas(layer, 2)
+    chunks = [torch.randn(n, 3, 2, 2, dtype=torch.float64, requires_grad=True) for n in (2, 3)]
+    outputs = run_threads([lambda r=r, c=c: r(c) for r, c in zip(replicas, chunks)])
+    results = run_threads(
+        [lambda o=o, c=c: torch.autograd.grad(o.pow(3).sum(), c, create_graph=True) for o, c in zip(outputs, chunks)]
+    )
+    assert all(isinstance(r, RuntimeError) for r in results), results
+    assert any("encoder.bn1" in str(r) and "double backward" in str(r) for r in results), results
+
+
+def test_threaded_data_parallel_under_compile() -> None:
+    theirs, ours = converted_pair()
+    parallel = ThreadedDataParallel(ours, ["cpu"] * 3)
+    compiled = torch.compile(parallel)
+    x = torch.randn(7, 3, 8, 8, dtype=torch.float64)
+    for model, inp in ((theirs, x.clone().requires_grad_()), (compiled, x.clone().requires_grad_())):
+        model(inp).square().sum().backward()
+    assert_models_close(theirs, ours, atol=1e-9, rtol=1e-9)
