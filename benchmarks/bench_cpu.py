@@ -227,8 +227,20 @@ def report(times: list[str], memory: list[str], bandwidth: float, min_run_time: 
     ])
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_line(bandwidth: float, min_run_time: float, allocator: str) -> str:
-    cpu = platform.processor() or platform.machine()
+    cpu = f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
     return (
         f"Machine: {os.cpu_count()}-core {cpu} VM, {torch.get_num_threads()} torch threads, no GPU; "
         f"torch {torch.__version__}, Python {platform.python_version()}; backends {backend_info()}; "

@@ -91,7 +91,7 @@ def step_functions(case: Case, buffers: Rotating) -> dict[str, Callable[[], obje
     weight = torch.rand(C, device="cuda") + 0.5
     bias = torch.randn(C, device="cuda")
     running_mean, running_var = torch.zeros(C, device="cuda"), torch.ones(C, device="cuda")
-    ops = backend.COMPILED_CUDA
+    ops = torch.ops.syncbn if backend.COMPILED_CUDA is not None else None  # our CUDA kernels, when loaded
 
     def copy():
         x, y, _ = buffers.next()
@@ -122,7 +122,8 @@ def step_functions(case: Case, buffers: Rotating) -> dict[str, Callable[[], obje
         return functions
 
     def stats(x):
-        n, mean, m2 = ops.local_stats(x)
+        n = x.numel() // x.size(1)
+        mean, m2 = ops.local_stats(x)
         var = m2 / n
         return n, mean.float(), torch.rsqrt(var + EPS).float()
 
@@ -210,7 +211,8 @@ def main() -> int:
         print("bench_cuda: CUDA is not available (no GPU, or a CPU build of torch): nothing to measure")
         return 0
     if backend.COMPILED_CUDA is None:
-        print(f"bench_cuda: functions._C_cuda is not built; timing torch's kernels only ({backend.CUDA_BUILD_HINT})")
+        print("bench_cuda: our CUDA kernels are not loaded (set SYNCBN_CUDA_KERNELS=compiled; "
+              f"{backend.CUDA_BUILD_HINT}); timing torch's kernels only")
     torch.manual_seed(0)
     section = report(time_rows(args.quick, args.min_run_time), args.min_run_time)
     print(section)

@@ -18,7 +18,7 @@ from torch.autograd.function import Function
 from . import reference
 from .ops import affine_act_grads
 from .reference import accumulation_dtype, memory_format_of
-from .sync_batchnorm import differentiable_backward
+from .sync_batchnorm import apply_function, differentiable_backward
 
 
 class FrozenBatchNormFunction(Function):
@@ -111,5 +111,5 @@ def frozen_batch_norm(
     Gradients flow to input, weight, bias and residual (one pass in backward). Returns ``y``,
     shaped and laid out as ``input``.
     """
-    y, _, _ = FrozenBatchNormFunction.apply(input, weight, bias, residual, running_mean, running_var, eps, negative_slope)
+    y, _, _ = apply_function(FrozenBatchNormFunction, input, weight, bias, residual, running_mean, running_var, eps, negative_slope)
     return y

@@ -263,6 +263,20 @@ class SyncBatchNormFunction(Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, grad_residual, None
 
 
+_BASE_APPLY = vars(torch._C._FunctionBase)["apply"]
+
+
+def apply_function(function: type[Function], *args):
+    """``function.apply(*args)`` with every argument given. In eager mode outside torch.func
+    transforms this skips what ``Function.apply`` does for Functions with ``setup_context`` on
+    every call (an ``inspect.signature`` binding of default arguments: about 100 us, more than a
+    small layer's kernels); torch.compile and torch.func get ``apply`` itself."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    unwrap = torch._C._functorch.unwrap_if_dead
+    return _BASE_APPLY.__get__(None, function)(*(unwrap(a) if isinstance(a, Tensor) else a for a in args))
+
+
 def batch_norm_with_batch_stats(ctx, input: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None) -> Tensor:
     """The training forward in torch's differentiable ops (what double backward differentiates)."""
     y = F.batch_norm(input, None, None, weight, bias, True, 0.0, ctx.eps)
@@ -327,7 +341,8 @@ def sync_batch_norm(
     """
     replicated = replica_call is not None or process_call is not None
     sync = SyncCall(replica_call, process_call, layer) if replicated else None
-    y, _, _ = SyncBatchNormFunction.apply(
+    y, _, _ = apply_function(
+        SyncBatchNormFunction,
         input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, sync, layer, residual,
         negative_slope,
     )

@@ -5,8 +5,9 @@ reduction stages, an empty batch, non-contiguous and misaligned input); and our 
 against cuDNN's ``nn.BatchNorm2d``, alone and under ``ThreadedDataParallel`` on one GPU repeated.
 
 Needs a GPU: the whole file is skipped where ``torch.cuda.is_available()`` is false. The kernel
-tests also need the extension (built by ``./make_ext.sh`` where torch is a CUDA build and a
-toolkit is found); the module tests run through every CUDA backend that is there.
+tests also need our CUDA kernels registered as the CUDA kernels of torch.ops.syncbn (built by
+``./make_ext.sh`` where torch is a CUDA build and a toolkit is found, loaded with
+``SYNCBN_CUDA_KERNELS=compiled``); the module tests run through whichever CUDA backend serves.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torch import nn
 
 from functions import ReplicaSyncError, backend, devices, sync_batch_norm
 from functions import reference as ref
+from functions.ops import affine_act_grads
 import test_kernels as kernel_tests  # its tolerances and inputs (tests/ is on the path: pytest.ini)
 from test_kernels import sum_tolerance, tolerance
 
@@ -26,9 +28,10 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA is not available: these tests need a GPU"
 )
 
-OPS = backend.COMPILED_CUDA
+OPS = torch.ops.syncbn  # on CUDA tensors: our CUDA kernels where they are loaded
 needs_ops = pytest.mark.skipif(
-    OPS is None, reason=f"functions._C_cuda is not built (or SYNCBN_KERNELS=reference): {backend.CUDA_BUILD_HINT}"
+    backend.COMPILED_CUDA is None,
+    reason=f"our CUDA kernels are not loaded (SYNCBN_CUDA_KERNELS=compiled, and {backend.CUDA_BUILD_HINT})",
 )
 DEVICE = "cuda"
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
@@ -104,8 +107,8 @@ def test_backward_affine_act_returns_what_is_asked(flags, memory_format) -> None
     residual = make_input(x.shape, memory_format, torch.float32, seed=5)
     mean, invstd, weight, bias = per_channel_args(x)
     for slope in [None, 0.0, 0.2]:
-        got = OPS.backward_affine_act(dy, x, mean, invstd, weight, bias, residual, slope, *flags)
-        want = ref.backward_affine_act(dy, x, mean, invstd, weight, bias, residual, slope, *flags)
+        got = affine_act_grads(OPS.backward_affine_act(dy, x, mean, invstd, weight, bias, residual, slope, *flags), *flags)
+        want = affine_act_grads(ref.backward_affine_act(dy, x, mean, invstd, weight, bias, residual, slope, *flags), *flags)
         for a, b in zip(got, want):
             assert (a is None) == (b is None)
             if a is not None:
@@ -135,7 +138,8 @@ def test_backward_takes_the_forwards_side_of_the_activation(dtype, memory_format
 )
 def test_float32_statistics_of_a_large_mean_are_precise(shape, memory_format) -> None:
     x = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) + 1e4).contiguous(memory_format=memory_format)
-    count, mean, m2 = OPS.local_stats(x.to(DEVICE))
+    mean, m2 = OPS.local_stats(x.to(DEVICE))
+    count = ref.values_per_channel(x)
     truth = x.double()
     dims = ref.reduction_dims(x)
     torch.testing.assert_close(mean.cpu(), truth.mean(dims), rtol=1e-9, atol=0)
@@ -150,8 +154,8 @@ def test_non_finite_values_propagate_like_torch() -> None:
     x[5, 2, 1, 1] = float("-inf")
     for layout in [torch.contiguous_format, torch.channels_last]:
         for dtype in [torch.float64, torch.float32, torch.float16]:
-            _, mean, m2 = OPS.local_stats(x.to(dtype).contiguous(memory_format=layout).to(DEVICE))
-            _, mean_ref, m2_ref = ref.local_stats(x.to(dtype))
+            mean, m2 = OPS.local_stats(x.to(dtype).contiguous(memory_format=layout).to(DEVICE))
+            mean_ref, m2_ref = ref.local_stats(x.to(dtype))
             torch.testing.assert_close(mean.cpu(), mean_ref, equal_nan=True, atol=1e-3, rtol=1e-3)
             assert mean[1] == float("inf") and mean[2] == float("-inf") and m2[:3].isnan().all()
 
@@ -173,14 +177,14 @@ def test_ops_run_on_the_current_stream_and_the_inputs_device() -> None:
     x = make_input((4, 8, 16, 16), torch.contiguous_format, torch.float32)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        _, mean, m2 = OPS.local_stats(x)
+        mean, m2 = OPS.local_stats(x)
     stream.synchronize()
-    _, mean_ref, m2_ref = ref.local_stats(x)
+    mean_ref, m2_ref = ref.local_stats(x)
     torch.testing.assert_close(mean, mean_ref)
     if torch.cuda.device_count() > 1:
         x1 = x.to("cuda:1")
         with torch.cuda.device(0):
-            assert OPS.local_stats(x1)[1].device == x1.device
+            assert OPS.local_stats(x1)[0].device == x1.device
 
 
 @needs_ops
@@ -207,7 +211,7 @@ def test_devices_helpers_copy_in_stream_order() -> None:
 
 # ---- the layers on CUDA against cuDNN -----------------------------------------------------
 
-CUDA_BACKENDS = ["torch-cuda-ops", *(["compiled-cuda"] if OPS is not None else [])]
+
 PARITY_TOLERANCE = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),
     torch.bfloat16: dict(atol=6e-2, rtol=3e-2),
@@ -215,12 +219,10 @@ PARITY_TOLERANCE = {
 }
 
 
-@pytest.fixture(params=CUDA_BACKENDS)
-def cuda_backend(request, monkeypatch):
-    """Serve CUDA tensors with each CUDA backend in turn."""
-    kernels = backend.TORCH_CUDA if request.param == "torch-cuda-ops" else backend.COMPILED_CUDA_KERNELS
-    monkeypatch.setitem(backend._BY_DEVICE_TYPE, "cuda", kernels)
-    return kernels
+@pytest.fixture
+def cuda_backend() -> str:
+    """The CUDA backend that serves (set at import: run once with SYNCBN_CUDA_KERNELS=compiled too)."""
+    return backend.backend_name(torch.device(DEVICE))
 
 
 def make_pair(dtype, memory_format, channels=6):
@@ -326,7 +328,7 @@ def test_threaded_replicas_on_one_gpu_backward(cuda_backend, replicas, dtype, mo
 
 
 def test_backend_info_names_the_cuda_backend() -> None:
-    expected = "compiled-cuda" if backend.CUDA_OPT_IN and OPS is not None else "torch-cuda-ops"
+    expected = "compiled-cuda" if backend.COMPILED_CUDA is not None else "torch-cuda-ops"
     if backend.FORCE_REFERENCE:
         expected = "reference"
     assert backend.backend_info()["cuda"] == expected
