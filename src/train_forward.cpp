@@ -1,6 +1,11 @@
 // The composite operators (see operators.h): written once on ATen and the torch.ops.syncbn
-// operators, so that each extension's kernels serve them on its device.
+// operators, so that each extension's kernels serve them on its device. Where the per-channel
+// tensors live on the host, their few arithmetic steps are one loop instead of a dozen ATen
+// calls (which cost more than the work for any realistic C, and dominate a small layer).
+#include <ATen/Dispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cmath>
 
 #include "operators.h"
 
@@ -13,6 +18,54 @@ void blend_into(const at::Tensor& running, const at::Tensor& batch, const Factor
   running.copy_(batch * factor + running * (1 - factor));
 }
 
+bool is_host_vector(const at::Tensor& t) { return t.is_cpu() && t.dim() == 1 && t.is_contiguous(); }
+
+// update_running_stats on host tensors: running = batch * factor + running * (1 - factor) per
+// channel in double, rounded once to the running statistics' dtype.
+void update_on_host(const at::Tensor& running_mean, const at::Tensor& running_var, double factor,
+                    const at::Tensor& mean, const at::Tensor& var, double unbias) {
+  const auto m = mean.to(at::kDouble).contiguous(), v = var.to(at::kDouble).contiguous();
+  const double* pm = m.const_data_ptr<double>();
+  const double* pv = v.const_data_ptr<double>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, running_mean.scalar_type(), "syncbn_update_on_host", [&] {
+    scalar_t* rm = running_mean.data_ptr<scalar_t>();
+    for (int64_t c = 0; c < running_mean.numel(); ++c) rm[c] = scalar_t(pm[c] * factor + double(rm[c]) * (1 - factor));
+  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, running_var.scalar_type(), "syncbn_update_on_host", [&] {
+    scalar_t* rv = running_var.data_ptr<scalar_t>();
+    for (int64_t c = 0; c < running_var.numel(); ++c) {
+      rv[c] = scalar_t(pv[c] * unbias * factor + double(rv[c]) * (1 - factor));
+    }
+  });
+}
+
+// (mean, invstd) in `acc` from the float64 mean and M2 of `count` values per channel: var = M2 /
+// count (an empty batch: mean 0, var 1), invstd = 1 / sqrt(var + eps); also var itself (float64).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> normalization_stats(const at::Tensor& mean, const at::Tensor& m2,
+                                                                  int64_t count, double eps, at::ScalarType acc) {
+  if (!(is_host_vector(mean) && is_host_vector(m2) && mean.scalar_type() == at::kDouble &&
+        m2.scalar_type() == at::kDouble)) {
+    const auto var = count > 0 ? m2 / double(count) : at::ones_like(m2);
+    return {mean.to(acc), (var + eps).rsqrt().to(acc), var};
+  }
+  const int64_t C = mean.numel();
+  auto var = at::empty_like(m2);
+  auto mean_acc = at::empty({C}, mean.options().dtype(acc)), invstd = at::empty({C}, mean.options().dtype(acc));
+  const double* pm = mean.const_data_ptr<double>();
+  const double* ps = m2.const_data_ptr<double>();
+  double* pv = var.data_ptr<double>();
+  AT_DISPATCH_FLOATING_TYPES(acc, "syncbn_normalization_stats", [&] {
+    scalar_t* out_mean = mean_acc.data_ptr<scalar_t>();
+    scalar_t* out_invstd = invstd.data_ptr<scalar_t>();
+    for (int64_t c = 0; c < C; ++c) {
+      pv[c] = count > 0 ? ps[c] / double(count) : 1.0;
+      out_mean[c] = scalar_t(pm[c]);
+      out_invstd[c] = scalar_t(1.0 / std::sqrt(pv[c] + eps));
+    }
+  });
+  return {mean_acc, invstd, var};
+}
+
 }  // namespace
 
 void update_running_stats(const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
@@ -22,7 +75,15 @@ void update_running_stats(const std::optional<at::Tensor>& running_mean, const s
   if (counts) num_batches_tracked->add_(1);
   if (!running_mean || !running_mean->defined() || !running_var || !running_var->defined() || count == 0) return;
   TORCH_CHECK(count > 1, "syncbn.update_running_stats: the unbiased variance needs more than 1 value, got ", count);
-  const auto unbiased = var * (double(count) / double(count - 1));
+  const double unbias = double(count) / double(count - 1);
+  const bool on_host = is_host_vector(*running_mean) && is_host_vector(*running_var) &&
+                       (!counts || num_batches_tracked->is_cpu());
+  if (on_host && (momentum || counts)) {
+    const double factor = momentum ? *momentum : 1.0 / double(num_batches_tracked->item<int64_t>());
+    update_on_host(*running_mean, *running_var, factor, mean, var, unbias);
+    return;
+  }
+  const auto unbiased = var * unbias;
   if (momentum) {
     blend_into(*running_mean, mean, *momentum);
     blend_into(*running_var, unbiased, *momentum);
@@ -51,10 +112,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_train(
   const int64_t channels = input.size(1);
   const int64_t count = channels == 0 ? 0 : input.numel() / channels;
   const auto [mean, m2] = local_stats.call(input);
-  const auto var = count > 0 ? m2 / double(count) : at::ones_like(m2);  // an empty batch: mean 0, var 1
-  update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, count);
   const auto acc = input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const auto mean_acc = mean.to(acc), invstd = (var + eps).rsqrt().to(acc);
+  const auto [mean_acc, invstd, var] = normalization_stats(mean, m2, count, eps, acc);
+  update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, count);
   return {elemt_forward.call(input, mean_acc, invstd, weight, bias, residual, negative_slope), mean_acc, invstd};
 }
 

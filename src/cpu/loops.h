@@ -203,8 +203,11 @@ inline std::vector<double> per_channel_doubles(const std::optional<at::Tensor>& 
   std::vector<double> out(C, fill);
   if (t.has_value() && t->defined()) {
     TORCH_CHECK(t->numel() == C, "syncbn: expected ", C, " per-channel values, got ", t->numel());
-    const auto d = t->to(at::kDouble).contiguous();
-    std::copy_n(d.const_data_ptr<double>(), C, out.data());
+    const auto d = t->is_cpu() ? t->contiguous() : t->to(at::kCPU).contiguous();  // no copy in the usual case
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, d.scalar_type(), "syncbn_per_channel_doubles", [&] {
+      const scalar_t* p = d.const_data_ptr<scalar_t>();
+      for (int64_t c = 0; c < C; ++c) out[c] = double(p[c]);
+    });
   }
   return out;
 }
