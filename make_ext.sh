@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Builds the compiled kernels in place (functions/_C_<capability>*.so), against the installed torch.
-# Honours CXX (the C++ compiler), MAX_JOBS (parallel compile jobs), TORCH_CUDA_ARCH_LIST
-# (CUDA architectures, once CUDA kernels are built) and SYNCBN_CPU_CAPABILITY (see setup.py).
+# Builds the compiled kernels in place (functions/_C_<capability>*.so, functions/_C_cuda*.so where
+# CUDA allows), against the installed torch. Honours PYTHON_CMD (the Python to build with, default
+# python), CXX (the C++ compiler), MAX_JOBS (parallel compile jobs), SYNCBN_CPU_CAPABILITY,
+# SYNCBN_CUDA (0: skip the CUDA kernels, 1: require them), CUDA_HOME and TORCH_CUDA_ARCH_LIST
+# (see setup.py).
 set -euo pipefail
 cd "$(dirname "$0")"
-python setup.py build_ext --inplace "$@"
+${PYTHON_CMD:-python} setup.py build_ext --inplace "$@"

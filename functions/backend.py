@@ -15,7 +15,9 @@ The dispatcher picks the kernel by the tensors' device; this module decides what
 """
 from __future__ import annotations
 
+import glob
 import importlib
+import importlib.machinery
 import os
 import warnings
 from types import ModuleType
@@ -27,7 +29,7 @@ from . import ops, reference
 # Instruction sets the CPU kernels may be built for, weakest first (see setup.py).
 CPU_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")
 FORCE_REFERENCE = os.environ.get("SYNCBN_KERNELS", "").lower() == "reference"
-BUILD_HINT = "build them with `./make_ext.sh` or `pip install --no-build-isolation -e .`"
+BUILD_HINT = "build them with `pip install --no-build-isolation -e .` (or `./make_ext.sh`) in the project's folder"
 CUDA_OPT_IN = os.environ.get("SYNCBN_CUDA_KERNELS", "").lower() == "compiled"
 CUDA_BUILD_HINT = (
     "build them where torch is a CUDA build and the CUDA toolkit (nvcc, CUDA_HOME) is installed, "
@@ -82,44 +84,88 @@ def usable_cpu_capabilities() -> list[str]:
     return list(reversed(CPU_CAPABILITIES[: known + 1]))
 
 
+LOAD_PROBLEMS: dict[str, str] = {}
+"""Why a device type's compiled kernels are not in use although some were looked for, by device type."""
+
+
+def extension_files(name: str) -> list[str]:
+    """The built files of the extension module ``functions.<name>``, if any."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return [path for suffix in importlib.machinery.EXTENSION_SUFFIXES for path in glob.glob(os.path.join(here, name + suffix))]
+
+
+def import_extension(name: str) -> tuple[ModuleType | None, str]:
+    """``functions.<name>``, or None and why: not built, or built but failing to load (an ABI
+    mismatch after a torch upgrade, a missing instruction set or library)."""
+    files = extension_files(name)
+    try:
+        return importlib.import_module(f".{name}", __package__), ""
+    except ImportError as error:
+        if not files:
+            return None, f"{name} is not built"
+        return None, f"{files[0]} failed to load: {error}"
+
+
 def load_compiled() -> ModuleType | None:
     """The compiled extension built for the best instruction set this CPU has, or None with one
-    warning that says why and how to build it."""
+    warning that says why (not built, or built but failing to load) and how to (re)build it."""
     if FORCE_REFERENCE:
         return None
     tried = []
     for capability in usable_cpu_capabilities():
-        name = f"_C_{capability.lower()}"
-        try:
-            return importlib.import_module(f".{name}", __package__)
-        except ImportError as error:
-            tried.append(f"{name}: {error}")
+        module, problem = import_extension(f"_C_{capability.lower()}")
+        if module is not None:
+            return module
+        tried.append(problem)
+    failed = [problem for problem in tried if "failed to load" in problem]
+    LOAD_PROBLEMS["cpu"] = "; ".join(failed or tried)
+    what = "compiled CPU kernels exist but failed to load" if failed else "no compiled kernels for this CPU"
+    how = f"rebuild them against this torch: {BUILD_HINT}" if failed else BUILD_HINT
     warnings.warn(
-        "syncbn: no compiled kernels for this CPU (" + "; ".join(tried) + "); the pure-PyTorch "
-        f"reference kernels serve every device, which is slower: {BUILD_HINT}",
+        f"syncbn: {what} ({LOAD_PROBLEMS['cpu']}); the pure-PyTorch reference kernels serve every device, "
+        f"which is slower: {how}",
         RuntimeWarning,
         stacklevel=2,
     )
     return None
 
 
+def cuda_build_failure() -> str | None:
+    """The paragraph setup.py left when the CUDA kernels failed to build here, if it did."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_C_cuda.build-failure.txt")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read().strip()
+
+
+def note_cuda_build_failure() -> None:
+    """Repeat a failed CUDA build's paragraph (pip hides build output): in backend_info(), and
+    as a warning where it matters (a GPU is visible, or our CUDA kernels were asked for)."""
+    failure = cuda_build_failure()
+    if failure is None or FORCE_REFERENCE:
+        return
+    LOAD_PROBLEMS["cuda"] = failure
+    if CUDA_OPT_IN or torch.cuda.is_available():
+        warnings.warn(failure, RuntimeWarning, stacklevel=3)
+
+
 def load_compiled_cuda() -> ModuleType | None:
-    """The compiled CUDA extension ``functions._C_cuda``, or None where it was not built (or
-    ``SYNCBN_KERNELS=reference``). Silent unless ``SYNCBN_CUDA_KERNELS=compiled`` asks for it: then
-    one warning says that torch's CUDA ops serve instead, and how to build."""
+    """The compiled CUDA extension ``functions._C_cuda`` (asked for with
+    ``SYNCBN_CUDA_KERNELS=compiled``), or None with one warning that says why and that torch's
+    CUDA ops serve instead."""
     if FORCE_REFERENCE:
         return None
-    try:
-        return importlib.import_module("._C_cuda", __package__)
-    except ImportError as error:
-        if CUDA_OPT_IN:
-            warnings.warn(
-                f"syncbn: SYNCBN_CUDA_KERNELS=compiled, but the compiled CUDA kernels are missing "
-                f"({error}); torch's CUDA ops serve CUDA tensors: {CUDA_BUILD_HINT}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return None
+    module, problem = import_extension("_C_cuda")
+    if module is None:
+        LOAD_PROBLEMS["cuda"] = problem
+        warnings.warn(
+            f"syncbn: SYNCBN_CUDA_KERNELS=compiled, but the compiled CUDA kernels are not usable ({problem}); "
+            f"torch's CUDA ops serve CUDA tensors: {CUDA_BUILD_HINT}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return module
 
 
 def register_torch_cuda_ops() -> torch.library.Library:
@@ -131,6 +177,7 @@ def register_torch_cuda_ops() -> torch.library.Library:
 
 
 COMPILED = load_compiled()
+note_cuda_build_failure()
 COMPILED_CUDA = load_compiled_cuda() if CUDA_OPT_IN else None
 _TORCH_CUDA_LIBRARY = None if FORCE_REFERENCE or COMPILED_CUDA is not None else register_torch_cuda_ops()
 
@@ -155,5 +202,10 @@ def serves_single_device(device: torch.device) -> bool:
 
 def backend_info() -> dict[str, str]:
     """Which backend serves which device type, e.g. ``{'cpu': 'compiled-cpu-avx2', 'cuda':
-    'torch-cuda-ops'}`` (CUDA is listed whether or not a GPU is visible)."""
-    return {t: backend_name(torch.device(t)) for t in ("cpu", "cuda")}
+    'torch-cuda-ops'}`` (CUDA is listed whether or not a GPU is visible); where compiled kernels
+    were looked for but are not in use, ``'<device>_reason'`` next to it says why (``{'cpu':
+    'reference', 'cpu_reason': '.../_C_avx2...so failed to load: undefined symbol ...'}``)."""
+    info = {t: backend_name(torch.device(t)) for t in ("cpu", "cuda")}
+    for device_type, problem in LOAD_PROBLEMS.items():
+        info[f"{device_type}_reason"] = problem
+    return info

@@ -1,0 +1,146 @@
+"""The build (setup.py): finding the CUDA toolkit the way a user expects, the checks that skip a
+CUDA build that cannot succeed, SYNCBN_CUDA, and an optional extension whose build fails leaving
+the others built (a real compiler error, with small extensions so that it takes seconds). The
+same failure with the real kernels, and an import from outside the repository, are checked by
+tools/check_build.sh in CI."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_setup():
+    spec = importlib.util.spec_from_file_location("syncbn_setup", os.path.join(ROOT, "setup.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # for its dataclasses
+    spec.loader.exec_module(module)  # setup() itself runs only as __main__
+    return module
+
+
+setup_py = load_setup()
+
+
+def executable(path, text: str) -> str:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def fake_toolkit(root, with_runtime: bool = True) -> str:
+    """A folder shaped like a CUDA toolkit: bin/nvcc (not a script) and lib64/libcudart.so."""
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "nvcc").write_bytes(b"\x7fELF not really")
+    (root / "bin" / "nvcc").chmod(0o755)
+    (root / "lib64").mkdir()
+    if with_runtime:
+        (root / "lib64" / "libcudart.so").write_bytes(b"")
+    return str(root)
+
+
+def test_nvcc_is_followed_through_links_and_wrapper_scripts(tmp_path) -> None:
+    home = fake_toolkit(tmp_path / "cuda-13.0")
+    link = tmp_path / "cuda"
+    link.symlink_to(home)
+    wrapper = executable(tmp_path / "nvcc", f'#!/bin/sh\nexec {link}/bin/nvcc "$@"\n')
+    assert setup_py.real_nvcc(wrapper) == os.path.join(home, "bin", "nvcc")
+    twice = executable(tmp_path / "nvcc2", f"#!/bin/sh\n{wrapper} \"$@\"\n")  # a wrapper of the wrapper
+    assert setup_py.real_nvcc(twice) == os.path.join(home, "bin", "nvcc")
+
+
+def test_toolkit_from_the_environment_then_from_nvcc(tmp_path, monkeypatch) -> None:
+    home = fake_toolkit(tmp_path / "cuda-13.0")
+    bin_dir = tmp_path / "wrappers"
+    bin_dir.mkdir()
+    executable(bin_dir / "nvcc", f'#!/bin/sh\nexec {home}/bin/nvcc "$@"\n')
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    found = setup_py.find_toolkit()
+    assert found.home == home and "nvcc on the PATH" in found.found_by and home in found.found_by
+    monkeypatch.setenv("CUDA_PATH", str(tmp_path))
+    assert setup_py.find_toolkit().found_by == "$CUDA_PATH"
+    monkeypatch.setenv("CUDA_HOME", home)
+    assert setup_py.find_toolkit() == setup_py.Toolkit(home, "$CUDA_HOME")
+
+
+def test_a_cuda_build_that_cannot_succeed_is_detected_before_compiling(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert "not a CUDA build" in setup_py.cuda_blocker(None)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert "no CUDA toolkit" in setup_py.cuda_blocker(None)
+    bare = setup_py.Toolkit(fake_toolkit(tmp_path / "bare", with_runtime=False), "$CUDA_HOME")
+    assert "no runtime library (libcudart)" in setup_py.cuda_blocker(bare)
+    monkeypatch.setattr(setup_py, "unsupported_archs", lambda toolkit, archs: ["7.0"])
+    complete = setup_py.Toolkit(fake_toolkit(tmp_path / "complete"), "$CUDA_HOME")
+    assert "cannot build for 7.0" in setup_py.cuda_blocker(complete)
+
+
+def test_syncbn_cuda_skips_or_requires(monkeypatch) -> None:
+    monkeypatch.setenv("SYNCBN_CUDA", "0")
+    assert setup_py.cuda_extensions() == []
+    monkeypatch.setenv("SYNCBN_CUDA", "1")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(SystemExit, match="SYNCBN_CUDA=1.*not a CUDA build"):
+        setup_py.cuda_extensions()
+    monkeypatch.setenv("SYNCBN_CUDA", "maybe")
+    with pytest.raises(SystemExit, match="must be 0, 1 or unset"):
+        setup_py.cuda_mode()
+
+
+def test_first_error_line_skips_command_lines() -> None:
+    log = textwrap.dedent("""\
+        [1/2] c++ -c a.cpp -Werror=return-type
+        g++ -shared a.o -lcudart -o a.so
+        /usr/bin/ld: cannot find -lcudart: No such file or directory
+        collect2: error: ld returned 1 exit status
+    """)
+    assert setup_py.first_error_line(log) == "/usr/bin/ld: cannot find -lcudart: No such file or directory"
+
+
+def test_a_failing_optional_extension_leaves_the_others_built(tmp_path) -> None:
+    # a tiny project built with our BuildExtension: one required extension, one optional whose
+    # source does not compile (as a CUDA build that fails)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "good.cpp").write_text(textwrap.dedent("""\
+        #include <Python.h>
+        static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "good", nullptr, -1, nullptr};
+        PyMODINIT_FUNC PyInit_good(void) { return PyModule_Create(&module); }
+    """))
+    (tmp_path / "bad.cpp").write_text("this is not C++;\n")
+    (tmp_path / "build.py").write_text(textwrap.dedent(f"""\
+        import importlib.util, sys
+        from setuptools import setup
+        from torch.utils.cpp_extension import CppExtension
+        spec = importlib.util.spec_from_file_location("syncbn_setup", {os.path.join(ROOT, "setup.py")!r})
+        syncbn_setup = importlib.util.module_from_spec(spec)
+        sys.modules["syncbn_setup"] = syncbn_setup; spec.loader.exec_module(syncbn_setup)
+        syncbn_setup.ROOT = {str(tmp_path)!r}  # where failure notes go
+        bad = CppExtension("pkg._C_cuda", ["bad.cpp"])
+        bad.optional = True
+        setup(name="pkg", packages=["pkg"], ext_modules=[CppExtension("pkg.good", ["good.cpp"]), bad],
+              cmdclass={{"build_ext": syncbn_setup.BuildExtension}})
+    """))
+    done = subprocess.run(
+        [sys.executable, "build.py", "build_ext", "--inplace"], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "the CUDA kernels (pkg._C_cuda) failed to build" in done.stderr
+    assert re.search(r"First error: \S*bad.cpp:1:1: error:", done.stderr), done.stderr
+    assert "SYNCBN_CUDA=0" in done.stderr
+    built = list((tmp_path / "pkg").glob("good*.so"))
+    assert built and not list((tmp_path / "pkg").glob("_C_cuda*.so"))
+    note = tmp_path / "pkg" / "_C_cuda.build-failure.txt"
+    assert "failed to build" in note.read_text()
+    imported = subprocess.run([sys.executable, "-c", "import pkg.good"], cwd=tmp_path, capture_output=True, text=True)
+    assert imported.returncode == 0, imported.stderr
