@@ -9,9 +9,10 @@
 #  2. The installed packages import from outside the repository, with the compiled kernels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+REPO=$(pwd)
 PYTHON=${PYTHON_CMD:-python}
 WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"; rm -f functions/_C_cuda.build-failure.txt' EXIT
+trap 'rm -rf "$WORK" "$REPO/functions/_C_cuda.build-failure.txt"' EXIT
 
 mkdir -p "$WORK/cuda/bin" "$WORK/cuda/lib64"
 cat > "$WORK/cuda/bin/nvcc" <<'NVCC'
