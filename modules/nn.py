@@ -251,7 +251,10 @@ class SyncBatchNorm(_BatchNorm):
         if replicated or group is not None:
             return self._forward_synced(input, z, handle, group, replicated)
         self._check_input(input, z)
-        if not serves_single_device(input.device):  # torch's own batch norm beats our kernels here
+        # torch's own batch norm where it beats our kernels; not for the cumulative average
+        # (momentum=None), whose factor torch reads on the host (a sync on CUDA, and a value
+        # that torch.compile(fullgraph=True) and torch.export cannot trace), and ours does not
+        if not serves_single_device(input.device) and self.momentum is not None:
             if input.numel() == input.size(1):
                 raise ValueError(
                     f"{self._label()}: Expected more than 1 value per channel when training, "

@@ -61,13 +61,15 @@ def test_state_dict_is_torchs_both_ways(torch_cls, our_cls, options) -> None:
         assert torch.equal(back.state_dict()[key], value), key
 
 
-def test_single_device_is_torchs_computation_where_torch_is_faster() -> None:
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_single_device_is_torchs_computation_where_torch_is_faster(momentum) -> None:
     # bit for bit: eval with running stats, and training where our kernels are not faster, is
-    # F.batch_norm itself, empty batch too
+    # F.batch_norm itself, empty batch too; the cumulative average (momentum=None) always takes
+    # our operators in training (torch's reads num_batches_tracked on the host)
     torch.manual_seed(0)
-    theirs = randomize_affine(nn.BatchNorm2d(4, momentum=None))
-    ours = NN.SyncBatchNorm2d(4, momentum=None)
-    ours_in_training = serves_single_device(torch.device("cpu"))
+    theirs = randomize_affine(nn.BatchNorm2d(4, momentum=momentum))
+    ours = NN.SyncBatchNorm2d(4, momentum=momentum)
+    ours_in_training = serves_single_device(torch.device("cpu")) or momentum is None
     for training, batch in [(True, 6), (True, 0), (True, 3), (False, 5), (False, 0)]:
         ours.load_state_dict(theirs.state_dict())
         theirs.train(training)
