@@ -56,7 +56,8 @@ class SyncBatchNorm(_BatchNorm):
     rank (DDP; both levels at once too); on one device in one process it is exactly
     ``nn.BatchNorm*`` (through ``F.batch_norm``). Running statistics are updated once per step
     with the unbiased variance, as ``nn.BatchNorm*`` does on the full batch, identically on
-    every rank. Eval with running statistics never communicates.
+    every rank. Eval never communicates (as ``nn.SyncBatchNorm``): each replica and rank uses its
+    running statistics, or without them its own batch's.
 
     ``forward(x, z=None)``: ``z`` (shaped and typed as ``x``) is added before the activation,
     ``act`` is ``activation`` (identity when None); both fused into the one elementwise pass
@@ -72,7 +73,7 @@ class SyncBatchNorm(_BatchNorm):
             cumulative average. Default: 0.1
         affine: learn a per-channel weight (and bias). Default: True
         track_running_stats: keep running statistics; without them batch statistics are
-            used (and synchronized) in eval mode too. Default: True
+            used in eval mode too (each replica's and rank's own, never synchronized). Default: True
         process_group: the ``torch.distributed`` group to sync over; None: the default group
             when it is initialized with more than one rank. Every rank of the group must call
             the layer the same number of times, in the same order. A rank that never arrives
@@ -246,8 +247,10 @@ class SyncBatchNorm(_BatchNorm):
         )
         if not uses_batch_stats:
             return self._forward_fixed_stats(input, z)
-        group = active_process_group(self.process_group, self._label())
-        replicated = handle is not None and handle.round.size > 1
+        # batch statistics are global in training only: in eval each replica and each rank uses
+        # its own batch and never waits for the others (as nn.SyncBatchNorm's need_sync)
+        group = active_process_group(self.process_group, self._label()) if self.training else None
+        replicated = self.training and handle is not None and handle.round.size > 1
         if replicated or group is not None:
             return self._forward_synced(input, z, handle, group, replicated)
         self._check_input(input, z)

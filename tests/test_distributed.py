@@ -183,8 +183,19 @@ def check_layer_options(rank: int, world: int) -> None:
     train_against_full_batch(lambda: conv_bn_2d(track_running_stats=False), [3, 2, 2][:world], (3, 3, 3), steps=2)
 
 
-def check_eval_without_running_stats_is_global(rank: int, world: int) -> None:
-    train_against_full_batch(lambda: conv_bn_2d(track_running_stats=False), [2, 4, 3][:world], (3, 3, 3), steps=2, training=False)
+def check_eval_without_running_stats_is_per_rank(rank: int, world: int) -> None:
+    # as nn.SyncBatchNorm: eval never communicates, each rank normalizes its own batch; only
+    # rank 0 evaluates here (validation on one rank), and returns without waiting for the others
+    torch.manual_seed(0)
+    theirs = randomize_affine(nn.BatchNorm2d(3, track_running_stats=False)).double().eval()
+    ours = NN.convert_sync_batchnorm(copy.deepcopy(theirs))
+    if rank == 0:
+        x = torch.randn(6, 3, 4, 4, dtype=torch.float64) + rank
+        with count_collectives() as calls:
+            y = ours(x)
+        torch.testing.assert_close(y, theirs(x), atol=1e-12, rtol=1e-12)
+        assert calls == {}, calls
+    dist.barrier()
 
 
 def check_global_count_one_raises_on_every_rank(rank: int, world: int) -> None:
@@ -317,7 +328,7 @@ CHECKS: dict[int, list[Callable[[int, int], None]]] = {
         check_empty_rank,
         check_one_sample_per_rank_1x1,
         check_layer_options,
-        check_eval_without_running_stats_is_global,
+        check_eval_without_running_stats_is_per_rank,
         check_global_count_one_raises_on_every_rank,
         check_collectives_per_step,
         check_two_level,

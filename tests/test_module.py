@@ -10,6 +10,7 @@ import pickle
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from functions import serves_single_device
@@ -116,11 +117,15 @@ def test_eval_with_running_stats_never_syncs(monkeypatch: pytest.MonkeyPatch) ->
     assert len(calls) == 2 * 2 * 4  # 2 layers x (forward + backward) x 4 replicas
 
 
-def test_eval_without_running_stats_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_eval_without_running_stats_never_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # as nn.SyncBatchNorm (need_sync only in training): each replica normalizes its own chunk
     calls = count_exchanges(monkeypatch)
-    model = ThreadedDataParallel(NN.SyncBatchNorm2d(3, track_running_stats=False).eval(), ["cpu"] * 2)
-    model(torch.randn(4, 3, 2, 2))
-    assert calls == [("forward", 0)] * 2
+    model = ThreadedDataParallel(NN.SyncBatchNorm2d(3, track_running_stats=False).eval().double(), ["cpu"] * 2)
+    x = torch.randn(5, 3, 2, 2, dtype=torch.float64)
+    y = model(x)
+    assert calls == []
+    expected = torch.cat([F.batch_norm(chunk, None, None, training=True) for chunk in x.chunk(2)])
+    torch.testing.assert_close(y, expected, atol=1e-12, rtol=1e-12)
 
 
 # --- convert and revert -----------------------------------------------------------------------
