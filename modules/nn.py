@@ -115,8 +115,6 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"num_features must be a positive int, got {num_features!r}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-        if not eps > 0:
-            raise ValueError(f"batch_norm eps must be positive, but got {eps}")
         if timeout is not None:
             resolve_timeout(timeout)
         super().__init__(
@@ -247,6 +245,8 @@ class SyncBatchNorm(_BatchNorm):
         )
         if not uses_batch_stats:
             return self._forward_fixed_stats(input, z)
+        if not self.eps > 0:  # as F.batch_norm: batch statistics need it, fixed ones do not
+            raise ValueError(f"{self._label()}: batch_norm eps must be positive during training, but got {self.eps}")
         # batch statistics are global in training only: in eval each replica and each rank uses
         # its own batch and never waits for the others (as nn.SyncBatchNorm's need_sync)
         group = active_process_group(self.process_group, self._label()) if self.training else None

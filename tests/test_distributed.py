@@ -198,6 +198,21 @@ def check_eval_without_running_stats_is_per_rank(rank: int, world: int) -> None:
     dist.barrier()
 
 
+def check_ddp_buffer_broadcast(rank: int, world: int) -> None:
+    # DDP's default: buffers broadcast from rank 0 at construction and before each forward, as
+    # with torch's layers; ours then step identically on every rank
+    torch.manual_seed(0)
+    ours = NN.convert_sync_batchnorm(conv_bn_2d().double())
+    for layer in ours.modules():
+        if isinstance(layer, NN.SyncBatchNorm) and rank > 0:
+            layer.running_mean.fill_(float(rank))  # differs until the broadcast
+    runner = DistributedDataParallel(ours)
+    for step in range(2):
+        x = global_batch(step, [3] * world, (3, 3, 3))[rank_slice([3] * world, rank)]
+        runner(x).sum().backward()
+    assert_identical_on_all_ranks(ours)
+
+
 def check_global_count_one_raises_on_every_rank(rank: int, world: int) -> None:
     layer = NN.SyncBatchNorm2d(3)
     x = torch.randn(1 if rank == 0 else 0, 3, 1, 1)
@@ -329,6 +344,7 @@ CHECKS: dict[int, list[Callable[[int, int], None]]] = {
         check_one_sample_per_rank_1x1,
         check_layer_options,
         check_eval_without_running_stats_is_per_rank,
+        check_ddp_buffer_broadcast,
         check_global_count_one_raises_on_every_rank,
         check_collectives_per_step,
         check_two_level,
