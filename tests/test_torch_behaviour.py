@@ -220,3 +220,29 @@ def test_models_of_torchs_sync_batchnorm_load_into_ours_and_back() -> None:
         assert torch.equal(back.state_dict()[key], value), key
     assert type(NN.convert_sync_batchnorm(torch_sync)[1]) is NN.SyncBatchNorm
     assert type(NN.revert_sync_batchnorm(NN.convert_sync_batchnorm(torch_sync))[1]) is nn.SyncBatchNorm
+
+
+def weight_grad_error(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> float:
+    """The weight gradient's largest error against float64, over sum |dy * xhat| per channel."""
+    layer.train()(x.clone().requires_grad_()).backward(dy)
+    x64 = x.double()
+    dims = (0, 2, 3)
+    xhat = (x64 - x64.mean(dims, keepdim=True)) / (x64.var(dims, correction=0, keepdim=True) + layer.eps).sqrt()
+    truth = (dy.double() * xhat).sum(dims)
+    return ((layer.weight.grad.double() - truth).abs() / (dy.double() * xhat).abs().sum(dims)).max().item()
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["NCHW", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_accumulation_no_worse_than_torch(dtype: torch.dtype, memory_format) -> None:
+    # a large mean against the spread and positive dy: sum(dy * (x - mean)) is as sensitive to
+    # the mean's error as it gets; ours stays within 2x of torch's double accumulation
+    errors = {"theirs": [], "ours": []}
+    for seed in range(3):
+        generator = torch.Generator().manual_seed(seed)
+        x = (torch.randn(24, 6, 8, 8, generator=generator) * 28 + 3).to(dtype).contiguous(memory_format=memory_format)
+        dy = torch.rand(24, 6, 8, 8, generator=generator).to(dtype).contiguous(memory_format=memory_format)
+        theirs, ours = pair(nn.BatchNorm2d, 6)
+        errors["theirs"].append(weight_grad_error(theirs, x, dy))
+        errors["ours"].append(weight_grad_error(ours, x, dy))
+    assert max(errors["ours"]) <= 2 * max(errors["theirs"]), errors

@@ -3,10 +3,10 @@
 // activation), each in one pass over memory; and the merge of replicas' statistics.
 //
 // Values accumulate per vector lane in the accumulation type (float for float32, bfloat16 and
-// float16; double for float64), at most kMaxLaneUpdates per lane; lanes and pieces merge in
-// double. Welford runs on values shifted by a pivot (the channel's first value), so that a
-// float32 running mean carries the data's spread, not its offset: mean 1e4 and std 1 keeps
-// the variance to ~1e-7.
+// float16; double for float64): Welford lanes fold into double every kFoldUpdates updates, the
+// backward sums after at most kMaxLaneUpdates; lanes and pieces merge in double. Welford runs
+// on values shifted by a pivot (the channel's first value), so that a float32 running mean
+// carries the data's spread, not its offset: mean 1e4 and std 1 keeps the variance to ~1e-7.
 #include "batch_norm_cpu.h"
 #include "loops.h"
 
@@ -33,9 +33,15 @@ class LaneWelford {
   void add(int64_t offset, int64_t length) {
     const scalar_t* p = x_ + offset;
     int64_t i = 0;
-    for (; i + A::kWidth <= length; i += A::kWidth) {
-      const auto v = A::load(p + i);
-      for (int k = 0; k < A::kVecs; ++k) update(k, v[k]);
+    while (i + A::kWidth <= length) {  // whole vectors, in runs that end where the lanes fold
+      const int64_t run = std::min((length - i) / A::kWidth, kFoldUpdates - lane_n_[0]);
+      for (const int64_t end = i + run * A::kWidth; i < end; i += A::kWidth) {
+        const auto v = A::load(p + i);
+        for (int k = 0; k < A::kVecs; ++k) update(k, v[k]);
+      }
+      if (lane_n_[0] >= kFoldUpdates) {
+        for (int k = 0; k < A::kVecs; ++k) fold(k);
+      }
     }
     if constexpr (A::kVecs > 1) {
       if (i + Vec::size() <= length) {
@@ -52,15 +58,12 @@ class LaneWelford {
   }
 
   // Moments of the values seen, shifted by the pivot.
-  Moments result() const {
+  Moments result() {
     Moments total = tail_;
-    std::array<acc_t, Vec::size()> means, m2s;
     for (int k = 0; k < A::kVecs; ++k) {
-      if (lane_n_[k] == 0) continue;
-      mean_[k].store(means.data());
-      m2_[k].store(m2s.data());
+      fold(k);
       for (int64_t lane = 0; lane < Vec::size(); ++lane) {
-        total.merge({double(lane_n_[k]), double(means[lane]), double(m2s[lane])});
+        total.merge({fold_n_[k], fold_mean_[k][lane], fold_m2_[k][lane]});
       }
     }
     return total;
@@ -75,11 +78,32 @@ class LaneWelford {
     m2_[k] = at::vec::fmadd(delta, d - mean_[k], m2_[k]);
   }
 
+  // vector k's running lanes into its double lanes (Chan, one coefficient pair for all lanes:
+  // they have seen as many values), and the running lanes back to none
+  void fold(int k) {
+    if (lane_n_[k] == 0) return;
+    std::array<acc_t, Vec::size()> means, m2s;
+    mean_[k].store(means.data());
+    m2_[k].store(m2s.data());
+    const double n = double(lane_n_[k]), total = fold_n_[k] + n;
+    const double weight = n / total, cross = fold_n_[k] * n / total;
+    for (int64_t lane = 0; lane < Vec::size(); ++lane) {
+      const double delta = double(means[lane]) - fold_mean_[k][lane];
+      fold_mean_[k][lane] += delta * weight;
+      fold_m2_[k][lane] += double(m2s[lane]) + delta * delta * cross;
+    }
+    fold_n_[k] = total;
+    mean_[k] = m2_[k] = Vec(0);
+    lane_n_[k] = 0;
+  }
+
   const scalar_t* x_;
   acc_t pivot_;
   Vec pivot_vec_;
   typename A::Pack mean_, m2_;
   std::array<int64_t, A::kVecs> lane_n_{};
+  std::array<double, A::kVecs> fold_n_{};
+  std::array<std::array<double, Vec::size()>, A::kVecs> fold_mean_{}, fold_m2_{};
   Moments tail_;
 };
 
@@ -99,10 +123,12 @@ class RowWelford {
     ++n_;
     const Vec inv(acc_t(1) / acc_t(n_));
     for_each_channel_vector<scalar_t>(C_, [&](int64_t c, const auto& v) { update(v, c, inv); }, row);
+    if (n_ == kFoldUpdates) fold();
   }
 
-  void write(Moments* out) const {
-    for (int64_t c = 0; c < C_; ++c) out[c] = {double(n_), double(mean_[c]), double(m2_[c])};
+  void write(Moments* out) {
+    fold();
+    for (int64_t c = 0; c < C_; ++c) out[c] = {fold_n_, fold_mean_[c], fold_m2_[c]};
   }
 
  private:
@@ -118,10 +144,29 @@ class RowWelford {
     }
   }
 
+  // the running moments into the double ones (Chan, one coefficient pair for all channels:
+  // they have seen the same rows), and the running ones back to none
+  void fold() {
+    if (n_ == 0) return;
+    const double n = double(n_), total = fold_n_ + n;
+    const double weight = n / total, cross = fold_n_ * n / total;
+    for (int64_t c = 0; c < C_; ++c) {
+      const double delta = double(mean_[c]) - fold_mean_[c];
+      fold_mean_[c] += delta * weight;
+      fold_m2_[c] += double(m2_[c]) + delta * delta * cross;
+    }
+    fold_n_ = total;
+    std::fill(mean_.begin(), mean_.end(), acc_t(0));
+    std::fill(m2_.begin(), m2_.end(), acc_t(0));
+    n_ = 0;
+  }
+
   int64_t C_;
   const acc_t* pivot_;
   std::vector<acc_t> mean_, m2_;
   int64_t n_ = 0;
+  double fold_n_ = 0;
+  std::vector<double> fold_mean_ = std::vector<double>(C_, 0.0), fold_m2_ = std::vector<double>(C_, 0.0);
 };
 
 // sum(g) and sum(g * (x - mean)) of one channel (or of a part of it).
