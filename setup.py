@@ -208,9 +208,10 @@ def cuda_blocker(toolkit: Toolkit | None) -> str | None:
             f"nvcc {release[0]}.{release[1]} of {toolkit.home} ({toolkit.found_by}) does not match the CUDA "
             f"{torch.version.cuda} of torch {torch.__version__} (their major versions must agree)"
         )
-    unsupported = unsupported_archs(toolkit, cuda_arch_list())
+    archs = cuda_arch_list()
+    unsupported = unsupported_archs(toolkit, archs)
     if unsupported:
-        return f"nvcc of {toolkit.home} cannot build for {', '.join(unsupported)} (TORCH_CUDA_ARCH_LIST={cuda_arch_list()})"
+        return f"nvcc of {toolkit.home} cannot build for {', '.join(unsupported)} (TORCH_CUDA_ARCH_LIST={archs})"
     return None
 
 

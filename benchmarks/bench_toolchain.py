@@ -22,35 +22,12 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from bench_cpu import copy_bandwidth_gbs, machine_line, median_ms, write_results  # noqa: E402
+from helpers import SmallResNet  # noqa: E402
 from modules import nn as NN  # noqa: E402
 
 BEGIN, END = "<!-- bench_toolchain:begin -->", "<!-- bench_toolchain:end -->"
-
-
-class Block(nn.Module):
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels)
-        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))) + x)
-
-
-class SmallResNet(nn.Module):
-    def __init__(self, channels: int = 32) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, channels, 3, padding=1, bias=False)
-        self.bn = nn.BatchNorm2d(channels)
-        self.blocks = nn.Sequential(Block(channels), Block(channels))
-        self.head = nn.Linear(channels, 10)
-        self.bn_head = nn.BatchNorm1d(10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bn_head(self.head(self.blocks(torch.relu(self.bn(self.stem(x)))).mean((2, 3))))
 
 
 def fixed_cost_rows(min_run_time: float) -> list[str]:
@@ -80,7 +57,7 @@ def training_step(model: nn.Module, x: torch.Tensor):
 def compile_rows(min_run_time: float) -> list[str]:
     torch.manual_seed(0)
     x = torch.randn(16, 3, 32, 32)
-    theirs = SmallResNet()
+    theirs = SmallResNet(channels=32, classes=10, head_momentum=0.1)
     ours = NN.convert_sync_batchnorm(copy.deepcopy(theirs))
     rows = []
     for name, model in [("torch's layers", theirs), ("ours", ours)]:

@@ -273,6 +273,22 @@ def batch_norm_train(
     mean, m2 = ops.local_stats(x)
     var = m2 / count if count > 0 else torch.ones_like(m2)
     ops.update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, count)
+    return normalize(x, mean, var, eps, weight, bias, residual, negative_slope)
+
+
+def normalize(
+    x: Tensor,
+    mean: Tensor,
+    var: Tensor,
+    eps: float,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    residual: Tensor | None,
+    negative_slope: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``elemt_forward`` (through its operator) with the batch's float64 ``mean`` and biased
+    ``var``: returns ``(y, mean, invstd)``, mean and invstd = 1 / sqrt(var + eps) in the
+    accumulation dtype, as the backward takes them."""
     acc = accumulation_dtype(x.dtype)
     mean, invstd = mean.to(acc), torch.rsqrt(var + eps).to(acc)
-    return ops.elemt_forward(x, mean, invstd, weight, bias, residual, negative_slope), mean, invstd
+    return torch.ops.syncbn.elemt_forward(x, mean, invstd, weight, bias, residual, negative_slope), mean, invstd

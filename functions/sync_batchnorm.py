@@ -31,7 +31,7 @@ from torch.nn import functional as F
 
 from . import backend, devices, reference  # noqa: F401  (backend: registers the kernels)
 from .distributed import ProcessGroupCall, all_gather_stats, all_reduce_sums
-from .reference import accumulation_dtype, memory_format_of, values_per_channel
+from .reference import memory_format_of, values_per_channel
 from .replicas import ReplicaCall
 from .stats import LocalStats
 
@@ -207,9 +207,7 @@ class SyncBatchNormFunction(Function):
         count, mean, var = sync.merge_stats(x, *torch.ops.syncbn.local_stats(x))
         if sync.is_master:
             torch.ops.syncbn.update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, count)
-        acc = accumulation_dtype(x.dtype)
-        mean, invstd = mean.to(acc), torch.rsqrt(var + eps).to(acc)
-        return torch.ops.syncbn.elemt_forward(x, mean, invstd, weight, bias, residual, negative_slope), mean, invstd
+        return reference.normalize(x, mean, var, eps, weight, bias, residual, negative_slope)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor, Tensor]) -> None:

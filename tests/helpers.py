@@ -26,8 +26,11 @@ def randomize_affine(model: nn.Module, seed: int = 0) -> nn.Module:
     return model
 
 
-def assert_same_state(ref: nn.Module, ours: nn.Module, atol: float, rtol: float, what: str) -> None:
-    """Parameter grads and buffers (running stats, num_batches_tracked) of the two models agree."""
+def assert_same_state(
+    ref: nn.Module, ours: nn.Module, atol: float | None = None, rtol: float | None = None, what: str = "state"
+) -> None:
+    """Parameter grads and buffers (running stats, num_batches_tracked) of the two models agree
+    (tolerances None: torch.testing.assert_close's defaults for the dtype)."""
     for (name, p_ref), (_, p_ours) in zip(ref.named_parameters(), ours.named_parameters()):
         assert (p_ref.grad is None) == (p_ours.grad is None), f"{what}: grad presence of {name}"
         if p_ref.grad is not None:
@@ -37,6 +40,38 @@ def assert_same_state(ref: nn.Module, ours: nn.Module, atol: float, rtol: float,
     assert ref_buffers.keys() == ours_buffers.keys()
     for name, b_ref in ref_buffers.items():
         torch.testing.assert_close(ours_buffers[name], b_ref, atol=atol, rtol=rtol, msg=lambda m: f"{what}: buffer {name}: {m}")
+
+
+class BasicBlock(nn.Module):
+    """A ResNet basic block: conv-BN-ReLU-conv-BN, residual add, ReLU."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + x)
+
+
+class SmallResNet(nn.Module):
+    """A ResNet-style net of torch's batch norms: conv stem with BN, two basic blocks with
+    residual adds, global average pool, linear head with a BN1d (its momentum as given)."""
+
+    def __init__(self, channels: int = 8, classes: int = 4, head_momentum: float | None = None) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(channels)
+        self.blocks = nn.Sequential(BasicBlock(channels), BasicBlock(channels))
+        self.head = nn.Linear(channels, classes)
+        self.bn_head = nn.BatchNorm1d(classes, momentum=head_momentum)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.blocks(torch.relu(self.bn(self.stem(x))))
+        return self.bn_head(self.head(x.mean((2, 3))))
 
 
 def train_in_lockstep(

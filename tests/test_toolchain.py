@@ -12,51 +12,15 @@ import torch._dynamo
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from helpers import randomize_affine, run_threads, stock_replicas
+from helpers import SmallResNet, assert_same_state, randomize_affine, run_threads, stock_replicas
 from modules import nn as NN
 from modules.parallel import ThreadedDataParallel
-
-
-class Block(nn.Module):
-    """A ResNet basic block: conv-BN-ReLU-conv-BN, residual add, ReLU."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels)
-        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.relu(self.bn1(self.conv1(x)))
-        return torch.relu(self.bn2(self.conv2(y)) + x)
-
-
-class SmallResNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)
-        self.bn = nn.BatchNorm2d(8)
-        self.blocks = nn.Sequential(Block(8), Block(8))
-        self.head = nn.Linear(8, 4)
-        self.bn_head = nn.BatchNorm1d(4, momentum=None)  # the cumulative average
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.blocks(torch.relu(self.bn(self.stem(x))))
-        return self.bn_head(self.head(x.mean((2, 3))))
 
 
 def converted_pair(dtype: torch.dtype = torch.float64) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
     theirs = randomize_affine(SmallResNet()).to(dtype)
     return theirs, NN.convert_sync_batchnorm(copy.deepcopy(theirs))
-
-
-def assert_models_close(a: nn.Module, b: nn.Module, atol: float = 1e-10, rtol: float = 1e-10) -> None:
-    for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=rtol, msg=lambda m: f"grad of {name}: {m}")
-    for (name, s), t in zip(a.named_buffers(), b.buffers()):
-        torch.testing.assert_close(s, t, atol=atol, rtol=rtol, msg=lambda m: f"buffer {name}: {m}")
 
 
 def test_compile_fullgraph_matches_eager_and_compiles_once_per_mode() -> None:
@@ -74,7 +38,7 @@ def test_compile_fullgraph_matches_eager_and_compiles_once_per_mode() -> None:
                 y.square().sum().backward()
                 outputs.append(y)
             torch.testing.assert_close(outputs[0], outputs[1], atol=1e-10, rtol=1e-10)
-            assert_models_close(ours, eager)
+            assert_same_state(ours, eager, atol=1e-10, rtol=1e-10)
             if step == 0:  # every later step must reuse the first step's graph
                 torch._dynamo.config.error_on_recompile = True
     torch._dynamo.reset()
@@ -214,7 +178,7 @@ def test_threaded_data_parallel_under_compile() -> None:
     x = torch.randn(7, 3, 8, 8, dtype=torch.float64)
     for model, inp in ((theirs, x.clone().requires_grad_()), (compiled, x.clone().requires_grad_())):
         model(inp).square().sum().backward()
-    assert_models_close(theirs, ours, atol=1e-9, rtol=1e-9)
+    assert_same_state(theirs, ours, atol=1e-9, rtol=1e-9)
 
 
 def compiled_ddp_worker(rank: int, world_size: int) -> tuple[list[float], int, dict]:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from helpers import randomize_affine
+from helpers import assert_same_state, randomize_affine
 from modules import nn as NN
 
 
@@ -27,11 +27,6 @@ def raises_alike(theirs, ours, x: torch.Tensor, their_error: type, our_error: ty
         theirs(x)
     with pytest.raises(our_error, match=our_words):
         ours(x)
-
-
-def assert_same_buffers(theirs: nn.Module, ours: nn.Module, **tol) -> None:
-    for (name, a), b in zip(theirs.named_buffers(), ours.buffers()):
-        torch.testing.assert_close(b, a, **tol, msg=lambda m: f"{name}: {m}")
 
 
 # ---- argument and input validation --------------------------------------------------------
@@ -65,14 +60,14 @@ def test_momentum_none_is_the_cumulative_average() -> None:
     for step in range(4):
         x = torch.randn(5, 3, 2, 2, dtype=torch.float64) * (step + 1) + step
         torch.testing.assert_close(ours(x), theirs(x), atol=1e-12, rtol=1e-12)
-    assert_same_buffers(theirs, ours, atol=1e-12, rtol=1e-12)
+    assert_same_state(theirs, ours, atol=1e-12, rtol=1e-12)
 
 
 def test_an_empty_batch_only_counts() -> None:
     theirs, ours = pair(nn.BatchNorm2d, 3)
     x = torch.randn(0, 3, 2, 2)
     assert ours(x).shape == theirs(x).shape == x.shape
-    assert_same_buffers(theirs, ours)
+    assert_same_state(theirs, ours)
     assert int(ours.num_batches_tracked) == 1
 
 
@@ -86,7 +81,7 @@ def test_eval_with_and_without_running_statistics(track_running_stats: bool) -> 
         model.eval()
     x = torch.randn(4, 3, 2, 2, dtype=torch.float64)
     torch.testing.assert_close(ours(x), theirs(x), atol=1e-12, rtol=1e-12)
-    assert_same_buffers(theirs, ours, atol=1e-12, rtol=1e-12)
+    assert_same_state(theirs, ours, atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -96,7 +91,7 @@ def test_half_input_with_float32_parameters(dtype: torch.dtype) -> None:
     y_theirs, y_ours = theirs(x.clone().requires_grad_()), ours(x.clone().requires_grad_())
     assert y_ours.dtype == y_theirs.dtype == dtype
     torch.testing.assert_close(y_ours, y_theirs, atol=2e-2, rtol=2e-2)
-    assert_same_buffers(theirs, ours, atol=1e-5, rtol=1e-5)
+    assert_same_state(theirs, ours, atol=1e-5, rtol=1e-5)
 
 
 def test_parameters_that_do_not_require_grad() -> None:
@@ -128,7 +123,7 @@ def test_checkpoints_of_old_torch_versions_load() -> None:
         model.num_batches_tracked.fill_(7)
         model.load_state_dict(old)
     assert int(ours.num_batches_tracked) == int(theirs.num_batches_tracked) == 7
-    assert_same_buffers(theirs, ours)
+    assert_same_state(theirs, ours)
     assert ours._version == theirs._version
 
 
@@ -138,12 +133,12 @@ def test_reset_running_stats_and_parameters() -> None:
     for model in (theirs, ours):
         model(x)
         model.reset_running_stats()
-    assert_same_buffers(theirs, ours)
+    assert_same_state(theirs, ours)
     for model in (theirs, ours):
         model.reset_parameters()
     torch.testing.assert_close(ours.weight, theirs.weight)
     torch.testing.assert_close(ours.bias, theirs.bias)
-    assert_same_buffers(theirs, ours)
+    assert_same_state(theirs, ours)
 
 
 def test_extra_repr_extends_torchs() -> None:
@@ -160,7 +155,7 @@ def test_meta_device_and_to_empty() -> None:
         model.to_empty(device="cpu")
         model.reset_parameters()
     torch.testing.assert_close(ours.weight, theirs.weight)
-    assert_same_buffers(theirs, ours)
+    assert_same_state(theirs, ours)
     x = torch.randn(4, 3, 2, 2)
     torch.testing.assert_close(ours(x), theirs(x))
 
@@ -174,7 +169,7 @@ def test_deepcopy_pickle_and_torch_save() -> None:
     copies = [copy.deepcopy(ours), pickle.loads(pickle.dumps(ours)), torch.load(buffer, weights_only=False)]
     x = torch.randn(4, 3, 2, 2)
     for clone in copies:
-        assert_same_buffers(ours, clone)
+        assert_same_state(ours, clone)
         torch.testing.assert_close(clone.eval()(x), copy.deepcopy(ours).eval()(x))
         clone.train()(x)  # and trains
 

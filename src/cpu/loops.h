@@ -162,6 +162,20 @@ struct Moments {
   }
 };
 
+// Folds `count` running float moments (`means`, `m2s`, each of `n` values) into double ones of
+// `folded_n` values each (Chan, one coefficient pair for all: they have all seen as many values).
+template <typename acc_t>
+void fold_moments(const acc_t* means, const acc_t* m2s, double n, int64_t count, double& folded_n,
+                  double* folded_means, double* folded_m2s) {
+  const double total = folded_n + n, weight = n / total, cross = folded_n * n / total;
+  for (int64_t i = 0; i < count; ++i) {
+    const double delta = double(means[i]) - folded_means[i];
+    folded_means[i] += delta * weight;
+    folded_m2s[i] += double(m2s[i]) + delta * delta * cross;
+  }
+  folded_n = total;
+}
+
 // How the values of one channel are cut into `count` pieces of `length` values (the last may
 // be shorter): enough pieces to keep every thread busy, and no more than kMaxLaneUpdates
 // values per lane in one.

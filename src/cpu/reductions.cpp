@@ -78,21 +78,14 @@ class LaneWelford {
     m2_[k] = at::vec::fmadd(delta, d - mean_[k], m2_[k]);
   }
 
-  // vector k's running lanes into its double lanes (Chan, one coefficient pair for all lanes:
-  // they have seen as many values), and the running lanes back to none
+  // vector k's running lanes into its double lanes, and the running lanes back to none
   void fold(int k) {
     if (lane_n_[k] == 0) return;
     std::array<acc_t, Vec::size()> means, m2s;
     mean_[k].store(means.data());
     m2_[k].store(m2s.data());
-    const double n = double(lane_n_[k]), total = fold_n_[k] + n;
-    const double weight = n / total, cross = fold_n_[k] * n / total;
-    for (int64_t lane = 0; lane < Vec::size(); ++lane) {
-      const double delta = double(means[lane]) - fold_mean_[k][lane];
-      fold_mean_[k][lane] += delta * weight;
-      fold_m2_[k][lane] += double(m2s[lane]) + delta * delta * cross;
-    }
-    fold_n_[k] = total;
+    fold_moments(means.data(), m2s.data(), double(lane_n_[k]), Vec::size(), fold_n_[k], fold_mean_[k].data(),
+                 fold_m2_[k].data());
     mean_[k] = m2_[k] = Vec(0);
     lane_n_[k] = 0;
   }
@@ -144,18 +137,10 @@ class RowWelford {
     }
   }
 
-  // the running moments into the double ones (Chan, one coefficient pair for all channels:
-  // they have seen the same rows), and the running ones back to none
+  // the running moments into the double ones, and the running ones back to none
   void fold() {
     if (n_ == 0) return;
-    const double n = double(n_), total = fold_n_ + n;
-    const double weight = n / total, cross = fold_n_ * n / total;
-    for (int64_t c = 0; c < C_; ++c) {
-      const double delta = double(mean_[c]) - fold_mean_[c];
-      fold_mean_[c] += delta * weight;
-      fold_m2_[c] += double(m2_[c]) + delta * delta * cross;
-    }
-    fold_n_ = total;
+    fold_moments(mean_.data(), m2_.data(), double(n_), C_, fold_n_, fold_mean_.data(), fold_m2_.data());
     std::fill(mean_.begin(), mean_.end(), acc_t(0));
     std::fill(m2_.begin(), m2_.end(), acc_t(0));
     n_ = 0;
