@@ -1,5 +1,6 @@
 """The math and the synchronization of synchronized batch norm (see ``DESIGN.md``)."""
 from . import ops
+from . import lone_replica
 from .backend import backend_info, backend_name, serves_single_device
 from .frozen_batchnorm import FrozenBatchNormFunction, frozen_batch_norm
 from .replicas import ReplicaSyncError, resolve_timeout

@@ -12,7 +12,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from functions import frozen_batch_norm, serves_single_device, sync_batch_norm
+from functions import frozen_batch_norm, sync_batch_norm
+from functions.lone_replica import takes_our_kernels
 from functions.distributed import ProcessGroupSync, active_process_group, consecutive_rank_groups, report_failure
 from functions.replicas import REPLICA_ATTR, ReplicaHandle, RoundTracker, resolve_timeout
 
@@ -164,6 +165,10 @@ class SyncBatchNorm(_BatchNorm):
         """The fused activation as the kernels take it: None (none), 0.0 (ReLU) or the slope."""
         return {None: None, "relu": 0.0, "leaky_relu": self.negative_slope}[self.activation]
 
+    def _fuses(self, z: Tensor | None) -> bool:
+        """Whether this call has a residual or an activation to fuse."""
+        return z is not None or self.activation is not None
+
     def _activate(self, y: Tensor, z: Tensor | None) -> Tensor:
         """act(y + z) through autograd, unfused: where torch's own batch norm serves."""
         if z is not None:
@@ -254,10 +259,11 @@ class SyncBatchNorm(_BatchNorm):
         if replicated or group is not None:
             return self._forward_synced(input, z, handle, group, replicated)
         self._check_input(input, z)
-        # torch's own batch norm where it beats our kernels; not for the cumulative average
-        # (momentum=None), whose factor torch reads on the host (a sync on CUDA, and a value
-        # that torch.compile(fullgraph=True) and torch.export cannot trace), and ours does not
-        if not serves_single_device(input.device) and self.momentum is not None:
+        # torch's own batch norm where it beats our kernels (measured: functions/lone_replica.py);
+        # not for the cumulative average (momentum=None), whose factor torch reads on the host (a
+        # sync on CUDA, and a value that torch.compile(fullgraph=True) and torch.export cannot
+        # trace), and ours does not
+        if self.momentum is not None and not takes_our_kernels(input, fixed_stats=False, fused=self._fuses(z)):
             if input.numel() == input.size(1):
                 raise ValueError(
                     f"{self._label()}: Expected more than 1 value per channel when training, "
@@ -299,8 +305,8 @@ class SyncBatchNorm(_BatchNorm):
     def _forward_fixed_stats(self, input: Tensor, z: Tensor | None) -> Tensor:
         """Frozen, or eval with running statistics: no update, no communication."""
         self._check_input(input, z)
-        plain = not self.frozen and z is None and self.activation is None
-        if plain or not serves_single_device(input.device):
+        plain = not self.frozen and not self._fuses(z)
+        if plain or not takes_our_kernels(input, fixed_stats=True, fused=self._fuses(z)):
             # torch's own eval-mode batch norm (bit-exact, double-differentiable), act unfused
             y = F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
             return self._activate(y, z)

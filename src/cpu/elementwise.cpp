@@ -17,17 +17,27 @@ void map_per_channel(const Layout& l, const std::array<const scalar_t*, kIn>& in
   using Vec = typename A::Vec;
   using ParamVecs = std::array<std::array<Vec, kParams>, A::kVecs>;
 
-  // kWidth values (or `count` < kWidth) starting at `offset`
-  const auto apply = [&](int64_t offset, int64_t count, const ParamVecs& p) {
+  // kWidth values (kWhole) or `count` < kWidth starting at `offset`
+  const auto apply = [&](auto whole, int64_t offset, int64_t count, const ParamVecs& p) {
     std::array<typename A::Pack, kIn> v;
-    for (size_t j = 0; j < kIn; ++j) v[j] = A::load_n(in[j] + offset, count);
+    for (size_t j = 0; j < kIn; ++j) v[j] = whole.value ? A::load(in[j] + offset) : A::load_partial(in[j] + offset, count);
     typename A::Pack y;
     for (int k = 0; k < A::kVecs; ++k) {
       std::array<Vec, kIn> args;
       for (size_t j = 0; j < kIn; ++j) args[j] = v[j][k];
       y[k] = op(args, p[k]);
     }
-    A::store_n(out + offset, y, count);
+    if constexpr (decltype(whole)::value) {
+      A::store(out + offset, y);
+    } else {
+      A::store_partial(out + offset, y, count);
+    }
+  };
+  // `length` values from `offset` on: whole vectors in a tight loop, then the rest
+  const auto apply_run = [&](int64_t offset, int64_t length, const ParamVecs& p) {
+    int64_t i = 0;
+    for (; i + A::kWidth <= length; i += A::kWidth) apply(std::true_type{}, offset + i, A::kWidth, p);
+    if (i < length) apply(std::false_type{}, offset + i, length - i, p);
   };
 
   if (l.interleaved) {
@@ -39,7 +49,11 @@ void map_per_channel(const Layout& l, const std::array<const scalar_t*, kIn>& in
           for (int k = 0; k < A::kVecs; ++k) {
             for (size_t j = 0; j < kParams; ++j) p[k][j] = Vec::loadu(params[j] + c + k * Vec::size());
           }
-          apply(r * l.C + c, std::min(A::kWidth, l.C - c), p);
+          if (c + A::kWidth <= l.C) {
+            apply(std::true_type{}, r * l.C + c, A::kWidth, p);
+          } else {
+            apply(std::false_type{}, r * l.C + c, l.C - c, p);
+          }
         }
       }
     });
@@ -53,7 +67,7 @@ void map_per_channel(const Layout& l, const std::array<const scalar_t*, kIn>& in
         const Vec value(params[j][row % l.C]);
         for (int k = 0; k < A::kVecs; ++k) p[k][j] = value;
       }
-      for (int64_t i = 0; i < length; i += A::kWidth) apply(begin + i, std::min(A::kWidth, length - i), p);
+      apply_run(begin, length, p);
       begin += length;
     }
   });

@@ -1,0 +1,117 @@
+"""Which kernels serve a lone replica (one device, one process, nothing to exchange): ours or
+torch's own batch norm.
+
+A lone replica exchanges nothing, so torch's batch norm (``F.batch_norm``, then ``+ z`` and the
+activation unfused) computes what ours computes; which one runs is a matter of speed alone, and
+the faster one depends on the CPU, the dtype, the layout, the size and what the layer fuses. It
+is decided by measurement, never by guess: ``benchmarks/bench_lone_replica.py`` times our layer
+through each of the two on a ladder of sizes for every :class:`LoneCase` and prints
+:data:`OURS_FROM_ELEMENTS` for the machine's backend; ``benchmarks/RESULTS.md`` keeps each run
+with its CPU model, torch version and date. A case takes ours from the smallest measured size at
+which ours was faster there and at every larger measured size; a case where ours never won, or
+that was never measured on this backend, takes torch's.
+
+``SYNCBN_LONE_REPLICA=ours`` or ``=torch`` overrides the table for the whole process (to test or
+to measure); :func:`forced` does it for a block of code.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator, NamedTuple
+
+import torch
+from torch import Tensor
+
+from .backend import backend_name, serves_single_device
+from .reference import memory_format_of
+
+CHOICES = ("measured", "ours", "torch")
+
+
+class LoneCase(NamedTuple):
+    """What decides the kernel: ``stats`` ``'batch'`` (training) or ``'fixed'`` (frozen);
+    ``fused`` whether a residual or an activation is fused; the input's dtype name; its
+    ``layout``: ``'contiguous'``, ``'channels_last'`` (2d or 3d) or ``'no_spatial'`` ((N, C))."""
+
+    stats: str
+    fused: bool
+    dtype: str
+    layout: str
+
+
+def layout_of(input: Tensor) -> str:
+    """:attr:`LoneCase.layout` of ``input`` (N, C, *)."""
+    if input.dim() == 2:
+        return "no_spatial"
+    return "contiguous" if memory_format_of(input) == torch.contiguous_format else "channels_last"
+
+
+def _cases(stats: str, fused: bool, ours_from: dict[tuple[str, str], int | None]) -> dict[LoneCase, int | None]:
+    return {LoneCase(stats, fused, dtype, layout): n for (dtype, layout), n in ours_from.items()}
+
+
+# From how many input elements ours serves each case (None: never), per backend; cases absent
+# take torch's.
+OURS_FROM_ELEMENTS: dict[str, dict[LoneCase, int | None]] = {
+    # Intel Xeon, 2 vCPUs, torch 2.13.0, 2026-11-21: not from bench_lone_replica.py (written
+    # later) but from the figures of bench_cpu.py (`--part layers` and `--part fused`) in
+    # RESULTS.md, ours against nn.BatchNorm* at (32, 64, 56, 56), (8, 256, 28, 28), (64, 512, 7, 7)
+    # and (256, 2048), float32 and bfloat16 only: the smallest of those sizes from which ours won
+    # at every larger one. Smaller sizes and other dtypes were not measured there: torch's.
+    "compiled-cpu-avx512": {
+        **_cases("batch", False, {
+            ("float32", "contiguous"): 1605632, ("bfloat16", "contiguous"): 6422528,
+            ("float32", "channels_last"): 1605632, ("bfloat16", "channels_last"): 1605632,
+            ("float32", "no_spatial"): 524288, ("bfloat16", "no_spatial"): None,
+        }),
+        **_cases("batch", True, {
+            ("float32", "contiguous"): 1605632, ("bfloat16", "contiguous"): 1605632,
+            ("float32", "channels_last"): 1605632, ("bfloat16", "channels_last"): 1605632,
+        }),
+        **_cases("fixed", False, {
+            ("float32", "contiguous"): 6422528, ("bfloat16", "contiguous"): 6422528,
+            ("float32", "channels_last"): 1605632, ("bfloat16", "channels_last"): 1605632,
+        }),
+        **_cases("fixed", True, {
+            ("float32", "contiguous"): 1605632, ("bfloat16", "contiguous"): 1605632,
+            ("float32", "channels_last"): 1605632, ("bfloat16", "channels_last"): 1605632,
+        }),
+    },
+    # AMD EPYC, 2 vCPUs, torch 2.13.0, 2026-11-23: bench_lone_replica.py, RESULTS.md
+    "compiled-cpu-avx2": {},
+}
+
+_forced: str = os.environ.get("SYNCBN_LONE_REPLICA", "measured").lower()
+if _forced not in CHOICES:
+    raise ValueError(f"SYNCBN_LONE_REPLICA must be one of {CHOICES}, got {_forced!r}")
+
+
+@contextlib.contextmanager
+def forced(choice: str) -> Iterator[None]:
+    """Within the block, a lone replica takes ``choice``: ``'ours'`` (where our kernels are
+    compiled for the device), ``'torch'``, or ``'measured'`` (the table)."""
+    global _forced
+    if choice not in CHOICES:
+        raise ValueError(f"choice must be one of {CHOICES}, got {choice!r}")
+    before, _forced = _forced, choice
+    try:
+        yield
+    finally:
+        _forced = before
+
+
+def ours_from_elements(case: LoneCase, device: torch.device) -> int | None:
+    """From how many input elements our kernels serve ``case`` on ``device`` (None: never)."""
+    if not serves_single_device(device):
+        return None
+    if _forced != "measured":
+        return 0 if _forced == "ours" else None
+    return OURS_FROM_ELEMENTS.get(backend_name(device), {}).get(case)
+
+
+def takes_our_kernels(input: Tensor, *, fixed_stats: bool, fused: bool) -> bool:
+    """Whether a lone replica's ``input`` runs through our kernels (else torch's batch norm)."""
+    case = LoneCase("fixed" if fixed_stats else "batch", fused, str(input.dtype).removeprefix("torch."), layout_of(input))
+    threshold = ours_from_elements(case, input.device)
+    return threshold is not None and input.numel() >= threshold
