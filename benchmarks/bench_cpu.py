@@ -28,6 +28,7 @@ import datetime
 import gc
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -105,6 +106,21 @@ def median_ms(fn: Callable[[], object], min_run_time: float) -> float:
     fn()  # warm up (allocator, thread pool)
     timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], min_run_time: float, rounds: int = 5) -> dict[str, float]:
+    """Median ms of each fn over ``rounds`` rounds that take every fn in turn: on a VM whose
+    steal time comes in bursts, a burst then slows one round of each, not all rounds of one."""
+    timers = {}
+    for name, fn in fns.items():
+        fn()  # warm up (allocator, thread pool)
+        timers[name] = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            measurement = timer.blocked_autorange(min_run_time=min_run_time / rounds)
+            samples[name] += measurement.times
+    return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
 
 
 def _status_kb(field: str) -> int:

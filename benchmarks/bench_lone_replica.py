@@ -19,18 +19,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from typing import Callable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils import benchmark
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_cpu import copy_bandwidth_gbs, keep_freed_blocks, machine_line, write_results  # noqa: E402
+from bench_cpu import copy_bandwidth_gbs, interleaved_medians, keep_freed_blocks, machine_line, write_results  # noqa: E402
 from functions import backend_name, lone_replica  # noqa: E402
 from functions.lone_replica import LoneCase  # noqa: E402
 from modules import nn as NN  # noqa: E402
@@ -78,21 +76,6 @@ def make_input(shape: tuple[int, ...], layout: str, dtype: torch.dtype) -> torch
     if layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
     return x.requires_grad_()
-
-
-def interleaved_medians(fns: dict[str, Callable[[], object]], min_run_time: float, rounds: int = 5) -> dict[str, float]:
-    """Median ms of each fn over ``rounds`` rounds that take every fn in turn: on a VM whose
-    steal time comes in bursts, a burst then slows one round of each, not all rounds of one."""
-    timers = {}
-    for name, fn in fns.items():
-        fn()  # warm up (allocator, thread pool)
-        timers[name] = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, timer in timers.items():
-            measurement = timer.blocked_autorange(min_run_time=min_run_time / rounds)
-            samples[name] += measurement.times
-    return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
 
 
 def routed(route: str, fn: Callable[[], object]) -> Callable[[], object]:

@@ -2,11 +2,14 @@
 
 - fixed cost: forward + backward (input, weight and bias gradients) of one layer on a tiny
   (2, 64, 4, 4) float32 input, where the time is the Python and dispatch around the kernels:
-  ``nn.BatchNorm2d`` against ours (a lone CPU replica: one ``batch_norm_train`` operator forward,
-  ``backward_reduce`` + ``backward_elemt`` backward); the difference in microseconds.
+  ``nn.BatchNorm2d`` against ours, through the route the measured table picks (torch's kernel at
+  this size: the cost of our module's Python) and forced through our kernels (one
+  ``batch_norm_train`` operator forward, ``backward_reduce`` + ``backward_elemt`` backward); the
+  differences in microseconds.
 - torch.compile: one SGD-free training step (forward, loss, backward) of a small ResNet-style net
   (conv stem, 2 basic blocks with residual adds, BN1d head) on (16, 3, 32, 32) float32, eager and
-  ``torch.compile(fullgraph=True)``, with torch's layers and with ours.
+  ``torch.compile(fullgraph=True)``, with torch's layers and with ours (measured routes, and
+  forced through our kernels).
 
     python benchmarks/bench_toolchain.py            # writes its section of RESULTS.md
 """
@@ -23,7 +26,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from bench_cpu import copy_bandwidth_gbs, machine_line, median_ms, write_results  # noqa: E402
+from bench_cpu import copy_bandwidth_gbs, interleaved_medians, machine_line, write_results  # noqa: E402
+from functions import lone_replica  # noqa: E402
 from helpers import SmallResNet  # noqa: E402
 from modules import nn as NN  # noqa: E402
 
@@ -31,19 +35,30 @@ BEGIN, END = "<!-- bench_toolchain:begin -->", "<!-- bench_toolchain:end -->"
 
 
 def fixed_cost_rows(min_run_time: float) -> list[str]:
+    """nn.BatchNorm2d against our layer through the route the measured table picks at this size
+    (torch's kernel: what the fixed cost of our module is) and forced through our kernels."""
     x = torch.randn(2, 64, 4, 4, requires_grad=True)
     dy = torch.randn_like(x)
-    rows = []
-    times = {}
-    for name, layer in [("nn.BatchNorm2d", nn.BatchNorm2d(64)), ("ours", NN.BatchNorm2d(64))]:
+    theirs, ours = nn.BatchNorm2d(64), NN.BatchNorm2d(64)
+
+    def step(layer: nn.Module, route: str = "measured"):
         params = list(layer.parameters())
-        times[name] = median_ms(lambda: torch.autograd.grad(layer(x), [x, *params], dy), min_run_time) * 1e3
-    extra = times["ours"] - times["nn.BatchNorm2d"]
-    rows.append(
-        f"| (2, 64, 4, 4) float32, forward+backward | {times['nn.BatchNorm2d']:.1f} | {times['ours']:.1f} | "
-        f"{extra:+.1f} us (target <= +25) |"
+
+        def call():
+            with lone_replica.forced(route):
+                return torch.autograd.grad(layer(x), [x, *params], dy)
+
+        return call
+
+    times = interleaved_medians(
+        {"torch": step(theirs), "measured": step(ours), "ours": step(ours, "ours")}, min_run_time
     )
-    return rows
+    times = {name: ms * 1e3 for name, ms in times.items()}
+    return [
+        f"| (2, 64, 4, 4) float32, forward+backward, {what} | {times['torch']:.1f} | {times[route]:.1f} | "
+        f"{times[route] - times['torch']:+.1f} us |"
+        for route, what in [("measured", "the measured route (torch's kernel here)"), ("ours", "forced through our kernels")]
+    ]
 
 
 def training_step(model: nn.Module, x: torch.Tensor):
@@ -60,11 +75,16 @@ def compile_rows(min_run_time: float) -> list[str]:
     theirs = SmallResNet(channels=32, classes=10, head_momentum=0.1)
     ours = NN.convert_sync_batchnorm(copy.deepcopy(theirs))
     rows = []
-    for name, model in [("torch's layers", theirs), ("ours", ours)]:
-        eager = median_ms(training_step(model, x), min_run_time)
-        compiled_model = torch.compile(model, fullgraph=True)
-        compiled = median_ms(training_step(compiled_model, x), min_run_time)
-        rows.append(f"| small ResNet step, {name} | {eager:.2f} | {compiled:.2f} | {compiled / eager:.2f}x |")
+    for name, model, route in [
+        ("torch's layers", theirs, "measured"),
+        ("ours, measured routes", ours, "measured"),
+        ("ours, forced through our kernels", ours, "ours"),
+    ]:
+        with lone_replica.forced(route):
+            compiled_model = torch.compile(model, fullgraph=True)
+            times = interleaved_medians({"eager": training_step(model, x), "compiled": training_step(compiled_model, x)}, min_run_time)
+            torch._dynamo.reset()  # the next route traces afresh
+        rows.append(f"| small ResNet step, {name} | {times['eager']:.2f} | {times['compiled']:.2f} | {times['compiled'] / times['eager']:.2f}x |")
     return rows
 
 
@@ -75,8 +95,10 @@ def report(fixed: list[str], compiled: list[str], bandwidth: float, min_run_time
         "",
         machine_line(bandwidth, min_run_time, "default allocator"),
         "",
-        "Fixed cost of one layer, in microseconds (a lone replica: ours runs the `batch_norm_train` "
-        "operator forward and `backward_reduce` + `backward_elemt` backward):",
+        "Fixed cost of one layer, in microseconds, a lone replica (through our kernels: the "
+        "`batch_norm_train` operator forward, `backward_reduce` + `backward_elemt` backward; the "
+        "measured route picks torch's kernel at this size, see `bench_lone_replica.py`). Medians "
+        "over 5 rounds that take the contenders in turn:",
         "",
         "| case | nn.BatchNorm2d, us | ours, us | ours - torch |",
         "|---|---|---|---|",

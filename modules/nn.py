@@ -269,8 +269,17 @@ class SyncBatchNorm(_BatchNorm):
                     f"{self._label()}: Expected more than 1 value per channel when training, "
                     f"got input size {input.size()}"
                 )
-            return self._activate(super().forward(input), z)
+            return self._activate(self._torch_batch_norm_train(input), z)
         return self._sync_batch_norm(input, z, None, None)
+
+    def _torch_batch_norm_train(self, input: Tensor) -> Tensor:
+        """``nn.BatchNorm*.forward`` in training with ``momentum`` set, less the checks that
+        :meth:`_check_input` has made: the lone replica's fixed cost is mostly such Python."""
+        tracks = self.track_running_stats
+        if tracks and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        running_mean, running_var = (self.running_mean, self.running_var) if tracks else (None, None)
+        return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, True, self.momentum, self.eps)
 
     @torch.compiler.disable
     def _forward_synced(

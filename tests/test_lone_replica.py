@@ -143,3 +143,21 @@ def test_environment_override() -> None:
     assert run_with_override("OURS", code).stdout.strip() == expected
     bad = run_with_override("fastest", code)
     assert bad.returncode != 0 and f"SYNCBN_LONE_REPLICA must be one of {CHOICES}" in bad.stderr
+
+
+@needs_compiled
+def test_measured_route_compiles_in_one_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the table is read while tracing: fullgraph=True, and the route taken matches eager's
+    table = {LoneCase("batch", False, "float32", "contiguous"): 100, LoneCase("fixed", True, "float32", "contiguous"): 1}
+    monkeypatch.setitem(lone_replica.OURS_FROM_ELEMENTS, backend_name(torch.device("cpu")), table)
+    torch.manual_seed(0)
+    net = nn.Sequential(NN.BatchNorm2d(3), NN.BatchNorm2d(3, frozen=True, activation="relu"))
+    reference = NN.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3), nn.BatchNorm2d(3)))
+    reference.load_state_dict(net.state_dict())
+    with lone_replica.forced("measured"):
+        compiled = torch.compile(net, fullgraph=True, backend="aot_eager")
+        for shape in [(2, 3, 4, 4), (2, 3, 5, 5)]:  # 96 elements: torch's route; 150: ours
+            x = torch.randn(shape, requires_grad=True)
+            with lone_replica.forced("torch"):
+                expected = F.relu(reference[1].eval()(reference[0](x)))
+            torch.testing.assert_close(compiled(x), expected)

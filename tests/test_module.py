@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from functions import serves_single_device
+from functions import lone_replica, serves_single_device
 from functions.replicas import ReplicaRound
 from helpers import randomize_affine
 from modules import nn as NN
@@ -62,15 +62,17 @@ def test_state_dict_is_torchs_both_ways(torch_cls, our_cls, options) -> None:
         assert torch.equal(back.state_dict()[key], value), key
 
 
+@pytest.mark.parametrize("route", ["ours", "torch"])
 @pytest.mark.parametrize("momentum", [0.1, None])
-def test_single_device_is_torchs_computation_where_torch_is_faster(momentum) -> None:
-    # bit for bit: eval with running stats, and training where our kernels are not faster, is
-    # F.batch_norm itself, empty batch too; the cumulative average (momentum=None) always takes
-    # our operators in training (torch's reads num_batches_tracked on the host)
+def test_single_device_is_torchs_computation_where_torch_serves(momentum, route) -> None:
+    # bit for bit: eval with running stats, and training where our kernels do not serve (the
+    # reference backend; see test_lone_replica.py for the measured routing), is F.batch_norm
+    # itself, empty batch too; the cumulative average (momentum=None) always takes our operators
+    # in training (torch's reads num_batches_tracked on the host)
     torch.manual_seed(0)
     theirs = randomize_affine(nn.BatchNorm2d(4, momentum=momentum))
     ours = NN.SyncBatchNorm2d(4, momentum=momentum)
-    ours_in_training = serves_single_device(torch.device("cpu")) or momentum is None
+    ours_in_training = (route == "ours" and serves_single_device(torch.device("cpu"))) or momentum is None
     for training, batch in [(True, 6), (True, 0), (True, 3), (False, 5), (False, 0)]:
         ours.load_state_dict(theirs.state_dict())
         theirs.train(training)
@@ -78,14 +80,15 @@ def test_single_device_is_torchs_computation_where_torch_is_faster(momentum) -> 
         x = torch.randn(batch, 4, 3, 3)
         exact = not (training and ours_in_training)
         compare = torch.equal if exact else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-        assert compare(ours(x), theirs(x)), (training, batch)
+        with lone_replica.forced(route):
+            assert compare(ours(x), theirs(x)), (training, batch)
         for key, value in theirs.state_dict().items():
             assert compare(ours.state_dict()[key], value), (training, batch, key)
 
 
 def test_single_device_training_takes_compiled_kernels() -> None:
-    # the compiled CPU kernels beat nn.BatchNorm (benchmarks/RESULTS.md), so a lone replica uses
-    # them; the pure-PyTorch reference does not, so torch's own batch norm serves then
+    # the suite forces our route (tests/conftest.py): a lone replica runs the compiled kernels
+    # where they are loaded; with the pure-PyTorch reference torch's own batch norm serves
     layer = NN.SyncBatchNorm2d(3)
     x = torch.randn(4, 3, 2, 2, requires_grad=True)
     ours = serves_single_device(torch.device("cpu"))

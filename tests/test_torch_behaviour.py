@@ -12,8 +12,16 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from functions import lone_replica
 from helpers import assert_same_state, randomize_affine
 from modules import nn as NN
+
+
+@pytest.fixture(autouse=True, params=["ours", "torch"])
+def lone_route(request: pytest.FixtureRequest) -> str:
+    """Every behaviour holds through both routes of a lone replica (functions/lone_replica.py)."""
+    with lone_replica.forced(request.param):
+        yield request.param
 
 
 def pair(cls=nn.BatchNorm2d, *args, **kwargs) -> tuple[nn.Module, nn.Module]:
