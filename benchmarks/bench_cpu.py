@@ -108,14 +108,14 @@ def median_ms(fn: Callable[[], object], min_run_time: float) -> float:
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], min_run_time: float, rounds: int = 5) -> dict[str, float]:
+def interleaved_medians(fns: dict, min_run_time: float, rounds: int = 5) -> dict:
     """Median ms of each fn over ``rounds`` rounds that take every fn in turn: on a VM whose
     steal time comes in bursts, a burst then slows one round of each, not all rounds of one."""
     timers = {}
     for name, fn in fns.items():
         fn()  # warm up (allocator, thread pool)
         timers[name] = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    samples: dict[str, list[float]] = {name: [] for name in fns}
+    samples: dict = {name: [] for name in fns}
     for _ in range(rounds):
         for name, timer in timers.items():
             measurement = timer.blocked_autorange(min_run_time=min_run_time / rounds)
@@ -175,10 +175,8 @@ def time_rows(quick: bool, min_run_time: float) -> list[str]:
     for case in cases(quick):
         x = case.input()
         dy = torch.randn_like(x)
-        times: dict[tuple[str, str], float] = {}
-        for name, model in layers(case).items():
-            for what, fn in step_functions(model, x, dy).items():
-                times[name, what] = median_ms(fn, min_run_time)
+        fns = {(name, what): fn for name, model in layers(case).items() for what, fn in step_functions(model, x, dy).items()}
+        times = interleaved_medians(fns, min_run_time)
         row = [case.label()]
         for what in ("forward", "forward+backward"):
             base = times["torch", what]
@@ -262,7 +260,8 @@ def machine_line(bandwidth: float, min_run_time: float, allocator: str) -> str:
         f"torch {torch.__version__}, Python {platform.python_version()}; backends {backend_info()}; "
         f"{datetime.date.today().isoformat()}. Copy bandwidth (32x64x56x56 float32, read + write): "
         f"{bandwidth:.1f} GB/s. Medians of `torch.utils.benchmark` blocked_autorange "
-        f"(min_run_time {min_run_time} s), in ms; ratios against torch in the same run; "
+        f"(min_run_time {min_run_time} s per contender, in 5 rounds that take the contenders in "
+        f"turn), in ms; ratios against torch in the same run; "
         f"{allocator}."
     )
 
@@ -308,7 +307,8 @@ def fused_rows(quick: bool, min_run_time: float) -> list[str]:
         x = case.input()
         z, dy = torch.randn_like(x).requires_grad_(), torch.randn_like(x)
         for name, (theirs, ours, takes_z) in fused_contenders(case.shape[1]).items():
-            times = [median_ms(fused_step(m, x, z if takes_z else None, dy), min_run_time) for m in (theirs, ours)]
+            medians = interleaved_medians({m: fused_step(m, x, z if takes_z else None, dy) for m in (theirs, ours)}, min_run_time)
+            times = [medians[theirs], medians[ours]]
             rows.append(f"| {case.label()} | {name} | {times[0]:.2f} | {times[1]:.2f} | {times[1] / times[0]:.2f}x |")
             print(rows[-1], flush=True)
     return rows

@@ -194,9 +194,9 @@ def backend_name(device: torch.device) -> str:
 
 
 def serves_single_device(device: torch.device) -> bool:
-    """Whether our kernels beat torch's own batch norm on ``device``, so that they also serve a
-    lone replica in training (measured: ``benchmarks/RESULTS.md``). Only the compiled CPU
-    kernels do; the CUDA kernels have not run on a GPU yet, so cuDNN serves a lone CUDA replica."""
+    """Whether our kernels may serve a lone replica on ``device`` at all: only the compiled CPU
+    kernels do (the CUDA kernels have not run on a GPU yet, so cuDNN serves a lone CUDA replica).
+    Which cases and sizes they serve there is measured: :mod:`functions.lone_replica`."""
     return backend_name(device).startswith("compiled-cpu")
 
 

@@ -43,20 +43,21 @@ LAYER_ID_RANGE = 2**20  # ids and call numbers below 2**20: their squares sum ex
 _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 
 
-def active_process_group(process_group: Any | None, layer: str) -> Any | None:
-    """The group that ``layer`` syncs over across processes, or None within one process.
+def active_process_group(process_group: Any | None, label: Callable[[], str]) -> Any | None:
+    """The group that the layer syncs over across processes, or None within one process.
 
     ``process_group=None`` means the default group when it is initialized with more than one
-    rank (as in PyTorch); a group of one rank needs no exchange.
+    rank (as in PyTorch); a group of one rank needs no exchange. ``label()`` names the layer in
+    errors (called only then: this runs on every training call).
     """
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None
         return dist.group.WORLD
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(f"{layer}: process_group is set but torch.distributed is not initialized")
+        raise RuntimeError(f"{label()}: process_group is set but torch.distributed is not initialized")
     if process_group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(process_group) < 0:
-        raise RuntimeError(f"{layer}: this rank is not a member of the layer's process_group")
+        raise RuntimeError(f"{label()}: this rank is not a member of the layer's process_group")
     return process_group if dist.get_world_size(process_group) > 1 else None
 
 

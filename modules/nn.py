@@ -254,7 +254,7 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"{self._label()}: batch_norm eps must be positive during training, but got {self.eps}")
         # batch statistics are global in training only: in eval each replica and each rank uses
         # its own batch and never waits for the others (as nn.SyncBatchNorm's need_sync)
-        group = active_process_group(self.process_group, self._label()) if self.training else None
+        group = active_process_group(self.process_group, self._label) if self.training else None
         replicated = self.training and handle is not None and handle.round.size > 1
         if replicated or group is not None:
             return self._forward_synced(input, z, handle, group, replicated)
