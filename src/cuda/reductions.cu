@@ -3,8 +3,8 @@
 // (dx, g and their sums); plus the merge of replicas' statistics.
 //
 // Values accumulate per thread in the accumulation type (float for float32, bfloat16 and
-// float16; double for float64), at most kMaxItemsPerThread packs per thread and split; warps
-// merge with shuffles, blocks through shared memory, and splits in float64 (common.cuh).
+// float16, folded into double every kFoldUpdates values; double for float64); warps merge with
+// shuffles, blocks through shared memory, and splits, all in float64 (common.cuh).
 // Welford runs on values shifted by a pivot (the channel's first value, 0 where that is not
 // finite), so a float32 running mean carries the data's spread, not its offset.
 #include "batch_norm_cuda.h"
@@ -18,7 +18,7 @@ namespace {
 template <typename scalar_t>
 struct StatsOp {
   using acc_t = at::opmath_type<scalar_t>;
-  using Acc = Welford<acc_t>;
+  using Acc = ThreadAcc<Welford, acc_t>;
   using Partial = Welford<double>;
   using State = acc_t;  // the pivot
 
@@ -58,7 +58,7 @@ struct StatsOp {
 template <typename scalar_t>
 struct GradSumsOp {
   using acc_t = at::opmath_type<scalar_t>;
-  using Acc = Sums<acc_t>;
+  using Acc = ThreadAcc<Sums, acc_t>;
   using Partial = Sums<double>;
   using State = acc_t;  // the channel's mean
 
@@ -93,7 +93,7 @@ struct GradSumsOp {
 template <typename scalar_t>
 struct AffineActOp {
   using acc_t = at::opmath_type<scalar_t>;
-  using Acc = Sums<acc_t>;
+  using Acc = ThreadAcc<Sums, acc_t>;
   using Partial = Sums<double>;
   struct State {
     acc_t mean, scale, shift;
