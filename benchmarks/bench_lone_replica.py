@@ -125,8 +125,17 @@ def measure(dtypes: list[str], min_run_time: float) -> tuple[dict[LoneCase, int 
 
 
 def table_source(table: dict[LoneCase, int | None]) -> str:
+    """``table`` as this backend's entry of OURS_FROM_ELEMENTS, written as the file writes it."""
     lines = [f'    "{backend_name(torch.device("cpu"))}": {{']
-    lines += [f"        LoneCase{tuple(case)!r}: {n!r}," for case, n in table.items()]
+    for stats in ("batch", "fixed"):
+        for fused in (False, True):
+            lines.append(f'        **_cases("{stats}", {fused}, {{')
+            lines += [
+                f'            ("{case.dtype}", "{case.layout}"): {n!r},'
+                for case, n in table.items()
+                if case.stats == stats and case.fused == fused
+            ]
+            lines.append("        }),")
     return "\n".join(lines + ["    },"])
 
 
