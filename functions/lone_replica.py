@@ -10,7 +10,7 @@ through each of the two on a ladder of sizes for every :class:`LoneCase` and pri
 with its CPU model, torch version and date. A case takes ours from the smallest measured size at
 which ours was faster there and at every larger measured size; a case where ours never won, or
 that was never measured on this backend, takes torch's, as does every case under
-``torch.compile`` (see :func:`ours_from_elements`).
+``torch.compile`` (see :func:`takes_our_kernels`).
 
 ``SYNCBN_LONE_REPLICA=ours`` or ``=torch`` overrides the table for the whole process (to test or
 to measure); :func:`forced` does it for a block of code.
@@ -161,32 +161,31 @@ def forced(choice: str) -> Iterator[None]:
         _forced = before
 
 
-def ours_from_elements(case: LoneCase, device: torch.device) -> int | None:
-    """From how many input elements our kernels serve ``case`` on ``device`` (None: never)."""
-    if not serves_single_device(device):
-        return None
-    if _forced != "measured":
-        return 0 if _forced == "ours" else None
+def takes_our_kernels(input: Tensor, *, fixed_stats: bool, fused: bool) -> bool:
+    """Whether a lone replica's ``input`` runs through our kernels (else torch's batch norm).
+    Runs on every call of a lone layer: kept to a few dictionary lookups."""
+    # our kernels serve a lone replica on the CPU only (backend.serves_single_device); is_cpu
+    # and a backend looked up once: torch.device.type costs ~0.4 us a call
+    if _forced == "torch" or not (input.is_cpu and _CPU_SERVES):
+        return False
+    if _forced == "ours":
+        return True
     if torch.compiler.is_compiling():
         # Inductor decomposes torch's batch norm and fuses it with the pointwise ops around it
         # (ReLU, residual adds) in layouts of its choosing; our operators are opaque calls
-        # between its kernels. Measured (bench_toolchain.py, AMD EPYC, 2026-11-23): a small
-        # ResNet's compiled training step took 1.17x its eager time through our operators,
-        # 0.95x with torch's layers.
-        return None
-    return OURS_FROM_ELEMENTS.get(backend_name(device), _NOTHING_MEASURED).get(case)
-
-
-def takes_our_kernels(input: Tensor, *, fixed_stats: bool, fused: bool) -> bool:
-    """Whether a lone replica's ``input`` runs through our kernels (else torch's batch norm)."""
-    if _forced == "torch":
+        # between its kernels. Measured (AMD EPYC, 2026-11-23; RESULTS.md): a small ResNet's
+        # compiled training step took 65.4 / 64.3 ms through our operators and 54.0 / 58.0 ms
+        # through torch's batch norm (two runs of 10 interleaved rounds).
+        return False
+    table = OURS_FROM_ELEMENTS.get(_CPU_BACKEND)
+    if not table:
         return False
     dtype = _DTYPE_NAMES.get(input.dtype) or str(input.dtype).removeprefix("torch.")
-    # a plain tuple: equal to the LoneCase, and cheaper to build on every call
-    case = ("fixed" if fixed_stats else "batch", fused, dtype, layout_of(input))
-    threshold = ours_from_elements(case, input.device)  # type: ignore[arg-type]
+    # a plain tuple: equal to the LoneCase (and hashed alike), cheaper to build
+    threshold = table.get(("fixed" if fixed_stats else "batch", fused, dtype, layout_of(input)))  # type: ignore[call-overload]
     return threshold is not None and input.numel() >= threshold
 
 
-_NOTHING_MEASURED: dict[LoneCase, int | None] = {}
 _DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16)}
+_CPU_SERVES = serves_single_device(torch.device("cpu"))
+_CPU_BACKEND = backend_name(torch.device("cpu"))
