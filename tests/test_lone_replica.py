@@ -176,3 +176,19 @@ def test_under_compile_the_measured_route_is_torchs(monkeypatch: pytest.MonkeyPa
     with lone_replica.forced("ours"):
         assert "syncbn" in compiled_graph_ops(net, x)
     torch._dynamo.reset()
+
+
+def test_benchmark_rule_for_the_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    # benchmarks/bench_lone_replica.py: ours from the smallest size at which ours won there and
+    # at every larger size (both shapes of an equal size must win)
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    from bench_lone_replica import ours_from
+
+    def point(numel: int, ours: float, torchs: float):
+        return numel, {"via ours": ours, "via torch": torchs}
+
+    assert ours_from([point(10, 2, 1), point(100, 1, 2), point(1000, 1, 2)]) == 100
+    assert ours_from([point(10, 1, 2), point(100, 2, 1), point(1000, 1, 2)]) == 1000
+    assert ours_from([point(10, 1, 2), point(100, 1, 2), point(1000, 2, 1)]) is None
+    assert ours_from([point(100, 1, 2), point(100, 2, 1), point(1000, 1, 2)]) == 1000
+    assert ours_from([point(10, 1, 2), point(100, 1, 2)]) == 10
