@@ -150,7 +150,8 @@ if _forced not in CHOICES:
 @contextlib.contextmanager
 def forced(choice: str) -> Iterator[None]:
     """Within the block, a lone replica takes ``choice``: ``'ours'`` (where our kernels are
-    compiled for the device), ``'torch'``, or ``'measured'`` (the table)."""
+    compiled for the device), ``'torch'``, or ``'measured'`` (the table). Process-wide, not
+    per thread; ``torch.compile`` guards on it (a change recompiles)."""
     global _forced
     if choice not in CHOICES:
         raise ValueError(f"choice must be one of {CHOICES}, got {choice!r}")
