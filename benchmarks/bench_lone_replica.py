@@ -24,11 +24,18 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_cpu import copy_bandwidth_gbs, interleaved_medians, keep_freed_blocks, machine_line, write_results  # noqa: E402
+from bench_cpu import (  # noqa: E402
+    TorchUnfused,
+    copy_bandwidth_gbs,
+    fused_step,
+    interleaved_medians,
+    keep_freed_blocks,
+    machine_line,
+    write_results,
+)
 from functions import backend_name, lone_replica  # noqa: E402
 from functions.lone_replica import LoneCase  # noqa: E402
 from modules import nn as NN  # noqa: E402
@@ -39,17 +46,6 @@ LADDERS = {
 }
 LADDERS["channels_last"] = LADDERS["contiguous"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
-
-class TorchUnfused(nn.Module):
-    """relu(bn(x) + z) as three ops of torch."""
-
-    def __init__(self, bn: nn.Module) -> None:
-        super().__init__()
-        self.bn = bn
-
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return F.relu(self.bn(x) + z)
 
 
 def contenders(case: LoneCase, C: int, rank: int) -> tuple[nn.Module, nn.Module]:
@@ -63,12 +59,6 @@ def contenders(case: LoneCase, C: int, rank: int) -> tuple[nn.Module, nn.Module]
     if case.stats == "fixed":
         theirs.eval()  # weight and bias still require grad
     return (TorchUnfused(theirs) if case.fused else theirs), ours
-
-
-def step(model: nn.Module, x: torch.Tensor, z: torch.Tensor | None, dy: torch.Tensor) -> Callable[[], object]:
-    inputs = [x, *([z] if z is not None else []), *model.parameters()]
-    args = (x,) if z is None else (x, z)
-    return lambda: torch.autograd.grad(model(*args), inputs, dy)
 
 
 def make_input(shape: tuple[int, ...], layout: str, dtype: torch.dtype) -> torch.Tensor:
@@ -91,8 +81,8 @@ def time_case(case: LoneCase, shape: tuple[int, ...], min_run_time: float) -> di
     z = torch.randn_like(x).requires_grad_() if case.fused else None
     dy = torch.randn_like(x)
     theirs, ours = contenders(case, shape[1], len(shape))
-    fns = {"torch": step(theirs, x, z, dy)}
-    fns.update({f"via {route}": routed(route, step(ours, x, z, dy)) for route in ("ours", "torch")})
+    fns = {"torch": fused_step(theirs, x, z, dy)}
+    fns.update({f"via {route}": routed(route, fused_step(ours, x, z, dy)) for route in ("ours", "torch")})
     return interleaved_medians(fns, min_run_time)
 
 

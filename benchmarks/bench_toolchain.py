@@ -26,7 +26,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from bench_cpu import copy_bandwidth_gbs, interleaved_medians, machine_line, write_results  # noqa: E402
+from bench_cpu import copy_bandwidth_gbs, fused_step, interleaved_medians, machine_line, write_results  # noqa: E402
+from bench_lone_replica import routed  # noqa: E402
 from functions import lone_replica  # noqa: E402
 from helpers import SmallResNet  # noqa: E402
 from modules import nn as NN  # noqa: E402
@@ -41,17 +42,13 @@ def fixed_cost_rows(min_run_time: float) -> list[str]:
     dy = torch.randn_like(x)
     theirs, ours = nn.BatchNorm2d(64), NN.BatchNorm2d(64)
 
-    def step(layer: nn.Module, route: str = "measured"):
-        params = list(layer.parameters())
-
-        def call():
-            with lone_replica.forced(route):
-                return torch.autograd.grad(layer(x), [x, *params], dy)
-
-        return call
-
     times = interleaved_medians(
-        {"torch": step(theirs), "measured": step(ours), "ours": step(ours, "ours")}, min_run_time
+        {
+            "torch": fused_step(theirs, x, None, dy),
+            "measured": routed("measured", fused_step(ours, x, None, dy)),
+            "ours": routed("ours", fused_step(ours, x, None, dy)),
+        },
+        min_run_time,
     )
     times = {name: ms * 1e3 for name, ms in times.items()}
     return [

@@ -314,8 +314,9 @@ class SyncBatchNorm(_BatchNorm):
     def _forward_fixed_stats(self, input: Tensor, z: Tensor | None) -> Tensor:
         """Frozen, or eval with running statistics: no update, no communication."""
         self._check_input(input, z)
-        plain = not self.frozen and not self._fuses(z)
-        if plain or not takes_our_kernels(input, fixed_stats=True, fused=self._fuses(z)):
+        fused = self._fuses(z)
+        plain_eval = not self.frozen and not fused
+        if plain_eval or not takes_our_kernels(input, fixed_stats=True, fused=fused):
             # torch's own eval-mode batch norm (bit-exact, double-differentiable), act unfused
             y = F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
             return self._activate(y, z)

@@ -20,18 +20,15 @@ void map_per_channel(const Layout& l, const std::array<const scalar_t*, kIn>& in
   // kWidth values (kWhole) or `count` < kWidth starting at `offset`
   const auto apply = [&](auto whole, int64_t offset, int64_t count, const ParamVecs& p) {
     std::array<typename A::Pack, kIn> v;
-    for (size_t j = 0; j < kIn; ++j) v[j] = whole.value ? A::load(in[j] + offset) : A::load_partial(in[j] + offset, count);
+    constexpr bool kWhole = decltype(whole)::value;
+    for (size_t j = 0; j < kIn; ++j) v[j] = A::template load_n<kWhole>(in[j] + offset, count);
     typename A::Pack y;
     for (int k = 0; k < A::kVecs; ++k) {
       std::array<Vec, kIn> args;
       for (size_t j = 0; j < kIn; ++j) args[j] = v[j][k];
       y[k] = op(args, p[k]);
     }
-    if constexpr (decltype(whole)::value) {
-      A::store(out + offset, y);
-    } else {
-      A::store_partial(out + offset, y, count);
-    }
+    A::template store_n<kWhole>(out + offset, y, count);
   };
   // `length` values from `offset` on: whole vectors in a tight loop, then the rest
   const auto apply_run = [&](int64_t offset, int64_t length, const ParamVecs& p) {

@@ -57,9 +57,15 @@ struct AccVec {
     std::copy(p, p + count, buffer.data());
     return load(buffer.data());
   }
-  // `count` (<= kWidth) values: whole vectors where count == kWidth.
+  // A whole vector (kWhole, `count` unread) or the first `count` < kWidth values: decided at
+  // compile time, so that loops over whole vectors carry no length test.
+  template <bool kWhole>
   static Pack load_n(const scalar_t* p, int64_t count) {
-    return count == kWidth ? load(p) : load_partial(p, count);
+    if constexpr (kWhole) {
+      return load(p);
+    } else {
+      return load_partial(p, count);
+    }
   }
   static void store(scalar_t* p, const Pack& v) {
     if constexpr (kVecs == 1) {
@@ -73,8 +79,9 @@ struct AccVec {
     store(buffer.data(), v);
     std::copy(buffer.data(), buffer.data() + count, p);
   }
+  template <bool kWhole>
   static void store_n(scalar_t* p, const Pack& v, int64_t count) {
-    if (count == kWidth) {
+    if constexpr (kWhole) {
       store(p, v);
     } else {
       store_partial(p, v, count);

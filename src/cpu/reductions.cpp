@@ -184,28 +184,11 @@ struct GradStep {
   using Vec = typename A::Vec;
 
   template <bool kWhole>
-  static Pack load(const scalar_t* p, int64_t count) {
-    if constexpr (kWhole) {
-      return A::load(p);
-    } else {
-      return A::load_partial(p, count);
-    }
-  }
-  template <bool kWhole>
-  static void store(scalar_t* p, const Pack& v, int64_t count) {
-    if constexpr (kWhole) {
-      A::store(p, v);
-    } else {
-      A::store_partial(p, v, count);
-    }
-  }
-
-  template <bool kWhole>
   static void run(const GradPassData<scalar_t>& d, int64_t offset, int64_t count, const Pack& mean,
                   const Pack& scale, const Pack& shift, const Vec& slope, Pack& sum_g, Pack& sum_g_xmu) {
-    const Pack dy = load<kWhole>(d.dy + offset, count), x = load<kWhole>(d.x + offset, count);
+    const Pack dy = A::template load_n<kWhole>(d.dy + offset, count), x = A::template load_n<kWhole>(d.x + offset, count);
     Pack z = dy;  // unread without kResidual
-    if constexpr (kResidual) z = load<kWhole>(d.z + offset, count);
+    if constexpr (kResidual) z = A::template load_n<kWhole>(d.z + offset, count);
     Pack g, dx;
     for (int k = 0; k < A::kVecs; ++k) {
       if constexpr (kActivation) {
@@ -219,8 +202,8 @@ struct GradStep {
       }
       if (d.dx != nullptr) dx[k] = g[k] * scale[k];
     }
-    if (d.dx != nullptr) store<kWhole>(d.dx + offset, dx, count);
-    if (d.g != nullptr) store<kWhole>(d.g + offset, g, count);
+    if (d.dx != nullptr) A::template store_n<kWhole>(d.dx + offset, dx, count);
+    if (d.g != nullptr) A::template store_n<kWhole>(d.g + offset, g, count);
   }
 };
 
