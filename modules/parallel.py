@@ -13,11 +13,13 @@ from __future__ import annotations
 import queue
 import threading
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.function import Function, once_differentiable
+from torch.autograd.graph import increment_version
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from functions.replicas import ReplicaRound, ReplicaSyncError, abort_rounds, replica_rounds
@@ -36,29 +38,44 @@ def _normalize_device(device: Any) -> torch.device:
     return device
 
 
-def _scatter(obj: Any, devices: Sequence[torch.device], dim: int) -> list[Any]:
+Cuts = dict[int, tuple[Tensor, int]]
+"""id() of a chunk that ``_scatter`` cut off a caller's tensor -> (that tensor, the chunk's start
+along ``dim``)."""
+
+
+def _scatter(obj: Any, devices: Sequence[torch.device], dim: int, cuts: Cuts | None = None) -> list[Any]:
     """Split tensors along ``dim`` into at most len(devices) chunks (as Tensor.chunk does: batch
     10 on 4 devices is 3, 3, 3, 1), one per device; containers are split element by element
-    and other objects are shared. The result has as many entries as the fewest chunks."""
+    and other objects are shared. The result has as many entries as the fewest chunks.
+
+    With ``cuts``, chunks are cut off the tensors detached (outside autograd) and each is
+    recorded in ``cuts``; without, the chunks stay in the caller's graph."""
     if isinstance(obj, Tensor):
-        return [chunk.to(device) for chunk, device in zip(obj.chunk(len(devices), dim), devices)]
+        chunks = (obj.detach() if cuts is not None else obj).chunk(len(devices), dim)
+        parts = [chunk.to(device) for chunk, device in zip(chunks, devices)]
+        if cuts is not None:
+            start = 0
+            for part in parts:
+                cuts[id(part)] = (obj, start)
+                start += part.size(dim)
+        return parts
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return [type(obj)(*parts) for parts in zip(*(_scatter(item, devices, dim) for item in obj))]
+        return [type(obj)(*parts) for parts in zip(*(_scatter(item, devices, dim, cuts) for item in obj))]
     if isinstance(obj, (tuple, list)) and len(obj) > 0:
-        return [type(obj)(parts) for parts in zip(*(_scatter(item, devices, dim) for item in obj))]
+        return [type(obj)(parts) for parts in zip(*(_scatter(item, devices, dim, cuts) for item in obj))]
     if isinstance(obj, dict) and len(obj) > 0:
         keys = list(obj)
-        return [type(obj)(zip(keys, parts)) for parts in zip(*(_scatter(obj[k], devices, dim) for k in keys))]
+        return [type(obj)(zip(keys, parts)) for parts in zip(*(_scatter(obj[k], devices, dim, cuts) for k in keys))]
     return [obj for _ in devices]
 
 
 def _scatter_kwargs(
-    inputs: tuple, kwargs: dict, devices: Sequence[torch.device], dim: int
+    inputs: tuple, kwargs: dict, devices: Sequence[torch.device], dim: int, cuts: Cuts | None = None
 ) -> tuple[list[tuple], list[dict]]:
     if not inputs and not kwargs:
         inputs = ((),)
-    split_inputs = _scatter(inputs, devices, dim) if inputs else []
-    split_kwargs = _scatter(kwargs, devices, dim) if kwargs else []
+    split_inputs = _scatter(inputs, devices, dim, cuts) if inputs else []
+    split_kwargs = _scatter(kwargs, devices, dim, cuts) if kwargs else []
     # non-tensors are shared by every device, so the fewest tensor chunks decide the count
     count = min(len(split_inputs), len(split_kwargs)) if inputs and kwargs else max(len(split_inputs), len(split_kwargs))
     split_inputs, split_kwargs = split_inputs[:count], split_kwargs[:count]
@@ -192,18 +209,36 @@ def _gather(values: Sequence[Any], device: torch.device, dim: int) -> Any:
     return first if all(v is first or v == first for v in values) else list(values)
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """Where a replica's input leaf came from: ``sources[source]`` of the gather Function, cut
+    at ``start`` along ``dim`` for ``size`` rows, or the whole tensor (``start`` None) where
+    the scatter shared it with every replica."""
+
+    source: int
+    start: int | None
+    size: int
+
+
 class _ReplicaRun:
     """One forward of the replicas: what their threaded backward needs (never the replicas).
 
     The replicas' outputs (and through them their graphs) are handed to the gather Function's
     ``save_for_backward``, so that the outer graph frees them when it is freed, keeps them when
     asked to retain it, and refuses a second backward through freed ones, as any graph does.
+
+    The caller's tensors that require grad (the Function's ``sources``) reach the replicas
+    detached, so no autograd op of the caller's graph splits them: the backward assembles each
+    source's gradient itself, and each replica thread writes its rows into it as soon as its
+    own backward ends, while the others still run.
     """
 
     def __init__(
         self,
         outputs: list[list[Any]],
         input_leaves: list[list[Tensor]],
+        pieces: list[list[_Piece]],
+        sources: list[Tensor],
         param_leaves: list[list[Tensor]],
         params: list[Tensor],
         devices: list[torch.device],
@@ -215,6 +250,10 @@ class _ReplicaRun:
         self.sizes = [[v.size(dim) if v.dim() else None for v in values] for values in self.values]
         self.requires_grad = [[v.requires_grad for v in values] for values in self.values]
         self.input_leaves = input_leaves  # per replica
+        self.pieces = pieces  # per replica, aligned with input_leaves
+        # shapes, dtypes and strides of the sources, not the sources: the graph must not keep them
+        self.source_likes = [torch.empty_like(t, device="meta") for t in sources]
+        self.source_devices = [t.device for t in sources]
         self.param_leaves = param_leaves  # per replica, aligned with params
         self.params, self.devices, self.rounds, self.dim = params, devices, rounds, dim
 
@@ -236,31 +275,127 @@ class _ReplicaRun:
             return grad[j]
         return grad.narrow(self.dim, sum(sizes[:j]), sizes[j])
 
-    def _grads_of_replica(self, outs: list[Tensor], grads: Sequence[Tensor], j: int, state: _ThreadState) -> list[Tensor | None]:
-        out_grads = [self._slice(grad, p, j).to(self.devices[j]) for p, grad in enumerate(grads) if self.requires_grad[p][j]]
+    def _rows(self, buffer: Tensor, piece: _Piece) -> Tensor:
+        return buffer.narrow(self.dim, piece.start, piece.size)  # type: ignore[arg-type]
+
+    def _grads_of_replica(
+        self, outs: list[Tensor], grads: Sequence[Tensor], j: int, state: _ThreadState, buffers: list[Tensor | None]
+    ) -> list[Any]:
+        """Replica j's gradients for its input leaves, then its parameter leaves. Where a leaf's
+        rows go into a source's buffer on the same device, they are written there now, and the
+        leaf's entry says ``_WRITTEN``."""
+        out_grads = [self._slice(grad, p, j) for p, grad in enumerate(grads) if self.requires_grad[p][j]]
         leaves = self.input_leaves[j] + self.param_leaves[j]
         if not outs or not leaves:
             return [None] * len(leaves)
         with state.on(self.devices[j]):
+            out_grads = [g.to(self.devices[j]) for g in out_grads]
             # retained: the outer graph decides when the replicas' graphs go (see the class)
-            return list(torch.autograd.grad(outs, leaves, out_grads, retain_graph=True, allow_unused=True))
+            result: list[Any] = list(torch.autograd.grad(outs, leaves, out_grads, retain_graph=True, allow_unused=True))
+            for i, piece in enumerate(self.pieces[j]):
+                buffer = buffers[piece.source]
+                if self._writes_first(j, i) and result[i] is not None and buffer is not None and result[i].device == buffer.device:
+                    self._rows(buffer, piece).copy_(result[i])
+                    result[i] = _WRITTEN
+        return result
+
+    def _writes_first(self, j: int, i: int) -> bool:
+        """Whether replica j's leaf i is the first of its replica cut at its rows (a tensor
+        passed twice gives two leaves on the same rows: the second adds to the first)."""
+        piece = self.pieces[j][i]
+        return piece.start is not None and piece not in self.pieces[j][:i]
+
+    def _source_grads(self, per_replica: list[list[Any]], buffers: list[Tensor | None]) -> list[Tensor | None]:
+        """Each source's gradient: its buffer with every replica's rows (zeros where a replica's
+        leaf got none), plus the gradients of the replicas it was shared with whole."""
+        written: list[set[_Piece]] = [set() for _ in buffers]
+        whole: list[Tensor | None] = [None] * len(buffers)
+        for j, replica in enumerate(per_replica):
+            for piece, grad in zip(self.pieces[j], replica):
+                if grad is _WRITTEN:
+                    written[piece.source].add(piece)
+                elif grad is None:
+                    continue
+                elif piece.start is None:
+                    grad = grad.to(self.source_devices[piece.source])
+                    whole[piece.source] = grad if whole[piece.source] is None else whole[piece.source] + grad
+                elif piece in written[piece.source]:
+                    self._rows(buffers[piece.source], piece).add_(grad)  # type: ignore[arg-type]
+                else:
+                    self._rows(buffers[piece.source], piece).copy_(grad)  # type: ignore[arg-type]
+                    written[piece.source].add(piece)
+        result: list[Tensor | None] = []
+        for k, buffer in enumerate(buffers):
+            if buffer is not None and written[k]:
+                for piece in {p for pieces in self.pieces for p in pieces if p.source == k and p.start is not None}:
+                    if piece not in written[k]:
+                        self._rows(buffer, piece).zero_()
+            rows = buffer if buffer is not None and written[k] else None
+            if rows is None or whole[k] is None:
+                result.append(rows if rows is not None else whole[k])
+            else:
+                result.append(rows + whole[k])
+        return result
 
     def backward(self, graph_outputs: Sequence[Tensor], grads: Sequence[Tensor]) -> list[Tensor | None]:
-        """Gradients for the scattered inputs (replica by replica), then for the params."""
+        """Gradients for the sources, then for the params."""
         it = iter(graph_outputs)  # replica by replica, as take_graph_outputs gave them
         per_replica_outs = [
             [next(it) for p in range(len(grads)) if self.requires_grad[p][j]] for j in range(len(self.devices))
         ]
+        cut = {piece.source for pieces in self.pieces for piece in pieces if piece.start is not None}
+        buffers = [
+            torch.empty_like(like, device=device) if k in cut else None
+            for k, (like, device) in enumerate(zip(self.source_likes, self.source_devices))
+        ]
         state = _ThreadState(self.devices)  # the backward's own grad mode and autocast
-        jobs = [lambda j=j: self._grads_of_replica(per_replica_outs[j], grads, j, state) for j in range(len(self.devices))]
+        jobs = [
+            lambda j=j: self._grads_of_replica(per_replica_outs[j], grads, j, state, buffers)
+            for j in range(len(self.devices))
+        ]
         per_replica = _run_in_threads(jobs, self.rounds)
-        input_grads = [g for j, replica in enumerate(per_replica) for g in replica[: len(self.input_leaves[j])]]
+        source_grads = self._source_grads([replica[: len(self.input_leaves[j])] for j, replica in enumerate(per_replica)], buffers)
         param_grads = []
         for i, param in enumerate(self.params):
             parts = [replica[len(self.input_leaves[j]) + i] for j, replica in enumerate(per_replica)]
             present = [g.to(param.device) for g in parts if g is not None]
             param_grads.append(torch.stack(present).sum(0) if present else None)
-        return input_grads + param_grads
+        return source_grads + param_grads
+
+
+_WRITTEN = object()
+"""A replica's entry for a leaf whose gradient it already wrote into its source's buffer."""
+
+
+@torch.compiler.disable  # reads tensor versions, which Dynamo cannot trace
+def _record_in_place_writes(input_leaves: list[list[Tensor]], pieces: list[list[_Piece]], sources: list[Tensor]) -> None:
+    """Where a replica wrote to its input in place, it wrote to the caller's tensor: bump that
+    tensor's version, so that the caller's graph refuses to use what it saved of the old values
+    (as it would had the module run on it directly); a leaf that requires grad refuses such
+    writes in torch, so it raises here."""
+    written = {piece.source for leaves, cut in zip(input_leaves, pieces) for leaf, piece in zip(leaves, cut) if leaf._version}
+    for index in sorted(written):
+        source = sources[index]
+        if source.is_leaf:
+            raise RuntimeError(
+                "ThreadedDataParallel: a replica modified its input in place, but the input is a leaf "
+                "tensor that requires grad, which torch does not allow to be modified in place"
+            )
+        increment_version(source)
+
+
+class _ReplicaInput(Function):
+    """A replica's input chunk as a fresh non-leaf on the chunk's own memory, as nn.DataParallel
+    hands the chunk that stays on its device: in-place ops on it work (a leaf would refuse them)
+    and, as there, write to the caller's tensor; the gradient flows to the replica's leaf."""
+
+    @staticmethod
+    def forward(ctx, leaf: Tensor) -> Tensor:  # type: ignore[override]
+        return leaf.detach()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad
 
 
 class _GatherWithReplicaBackward(Function):
@@ -291,6 +426,11 @@ class ThreadedDataParallel(nn.Module):
     thread, so synchronized batch norm replicas meet in backward on the CPU too. When a replica
     raises, the others are released at once and the original error is re-raised.
 
+    Chunks that stay on their device are views of the caller's tensors, not copies (as
+    nn.DataParallel's chunk on its own device): a replica's in-place op on its input writes to
+    the caller's tensor, and bumps its version as torch does. Each input's gradient is assembled
+    by the replica threads, each writing its own rows as its backward ends.
+
     The module must live on ``devices[0]``. Double backward through the replicas is not
     supported.
     """
@@ -316,9 +456,11 @@ class ThreadedDataParallel(nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self._check_module_device()
-        split_inputs, split_kwargs = _scatter_kwargs(inputs, kwargs, self.devices, self.dim)
         if len(self.devices) == 1:
+            split_inputs, split_kwargs = _scatter_kwargs(inputs, kwargs, self.devices, self.dim)
             return self.module(*split_inputs[0], **split_kwargs[0])
+        cuts: Cuts = {}
+        split_inputs, split_kwargs = _scatter_kwargs(inputs, kwargs, self.devices, self.dim, cuts)
         devices = self.devices[: len(split_inputs)]
         state = _ThreadState(devices)
         replicas, param_leaves = _replicate(self.module, devices)
@@ -326,23 +468,18 @@ class ThreadedDataParallel(nn.Module):
         for round in rounds:
             round.seal()
 
-        chunk_tensors: list[Tensor] = []
+        sources: list[Tensor] = []
         input_leaves: list[list[Tensor]] = []
+        pieces: list[list[_Piece]] = []
         jobs = []
         for replica, args, kwargs_j, device in zip(replicas, split_inputs, split_kwargs, devices):
-            flat, spec = tree_flatten((args, kwargs_j))
-            leaves = []
-            for i, value in enumerate(flat):
-                if isinstance(value, Tensor) and value.requires_grad and state.grad_enabled:
-                    chunk_tensors.append(value)
-                    leaves.append(value.detach().requires_grad_())
-                    # a copy, so that in-place ops on the input work as under nn.DataParallel
-                    flat[i] = leaves[-1].clone()
+            args_j, kw_j, leaves, replica_pieces = self._detached_inputs(args, kwargs_j, cuts, sources, state)
             input_leaves.append(leaves)
-            args_j, kw_j = tree_unflatten(flat, spec)
+            pieces.append(replica_pieces)
             jobs.append(lambda r=replica, a=args_j, k=kw_j, d=device: self._run_replica(r, a, k, d, state))
         del replicas
         results = _run_in_threads(jobs, rounds)
+        _record_in_place_writes(input_leaves, pieces, sources)
 
         flat_outputs, specs = zip(*(tree_flatten(out) for out in results))
         if any(spec != specs[0] for spec in specs):
@@ -353,13 +490,15 @@ class ThreadedDataParallel(nn.Module):
         run = _ReplicaRun(
             list(map(list, flat_outputs)),
             input_leaves,
+            pieces,
+            sources,
             [[leaves[i] for i in grad_index] for leaves in param_leaves],
             params,
             devices,
             rounds,
             self.dim,
         )
-        graph_inputs = chunk_tensors + params if state.grad_enabled else []
+        graph_inputs = sources + params if state.grad_enabled else []
         if any(t.requires_grad for t in graph_inputs):
             gathered = _GatherWithReplicaBackward.apply(run, self.output_device, *graph_inputs)
         else:
@@ -371,6 +510,31 @@ class ThreadedDataParallel(nn.Module):
         for k, tensor in zip(run.tensor_positions, gathered):
             flat[k] = tensor
         return tree_unflatten(flat, specs[0])
+
+    def _detached_inputs(
+        self, args: tuple, kwargs: dict, cuts: Cuts, sources: list[Tensor], state: _ThreadState
+    ) -> tuple[tuple, dict, list[Tensor], list[_Piece]]:
+        """One replica's arguments, each tensor whose source requires grad replaced by a
+        :class:`_ReplicaInput` of a fresh leaf; the leaves, and where each came from (its source
+        is added to ``sources`` the first time it is seen)."""
+        flat, spec = tree_flatten((args, kwargs))
+        leaves, pieces = [], []
+        for i, value in enumerate(flat):
+            if not (isinstance(value, Tensor) and state.grad_enabled):
+                continue
+            source, start = cuts.get(id(value), (value, None))
+            if not source.requires_grad:
+                continue
+            index = next((k for k, seen in enumerate(sources) if seen is source), len(sources))
+            if index == len(sources):
+                sources.append(source)
+            # .data: a version counter of the replica's own, so that in-place ops on one chunk do
+            # not invalidate what the other replicas saved (see _record_in_place_writes)
+            leaves.append(value.data.requires_grad_())
+            pieces.append(_Piece(index, start, value.size(self.dim) if start is not None else 0))
+            flat[i] = _ReplicaInput.apply(leaves[-1])
+        args, kwargs = tree_unflatten(flat, spec)
+        return args, kwargs, leaves, pieces
 
     @staticmethod
     def _run_replica(replica: nn.Module, args: tuple, kwargs: dict, device: torch.device, state: _ThreadState) -> Any:

@@ -177,6 +177,63 @@ def test_in_place_ops_on_inputs_and_non_differentiable_outputs() -> None:
     assert a.grad is not None
 
 
+def test_in_place_ops_on_a_chunk_write_to_the_callers_tensor() -> None:
+    # as nn.DataParallel does with the chunk that stays on its device: no copy of the input
+    a = torch.randn(8, 3, requires_grad=True)
+    x = a * 1
+    ThreadedDataParallel(nn.ReLU(inplace=True), ["cpu"] * 4)(x).sum().backward()
+    assert x.min() >= 0
+    torch.testing.assert_close(a.grad, (a > 0).to(a.dtype))
+
+    # the caller's graph sees the write, as it would without the wrapper
+    saved = a.exp()  # exp saves its output
+    ThreadedDataParallel(nn.ReLU(inplace=True), ["cpu"] * 4)(saved)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()
+    with pytest.raises(RuntimeError, match="leaf tensor that requires grad"):
+        ThreadedDataParallel(nn.ReLU(inplace=True), ["cpu"] * 4)(a)
+
+
+class Uses(nn.Module):
+    """x twice, y only in replicas with more than one row, and the tensor in a deque (which the
+    scatter shares whole with every replica) as a scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3).double()
+
+    def forward(self, x, x_again, y, shared):
+        out = self.linear(x) * x_again + shared[0]
+        return out + y * 3 if y.size(0) > 1 else out
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_input_gradients_per_source_tensor(channels_last: bool) -> None:
+    from collections import deque
+
+    module = Uses()
+    x = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    shared = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    out = ThreadedDataParallel(module, ["cpu"] * 4)(x, x, y, deque([shared]))  # rows 2, 2, 2, 1
+    grads = torch.autograd.grad(out.pow(2).sum(), [x, y, shared])
+
+    rows = [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 7)]
+    expected = torch.cat([module(x[r], x[r], y[r], [shared]) for r in rows])
+    expected_grads = torch.autograd.grad(expected.pow(2).sum(), [x, y, shared])
+    torch.testing.assert_close(out, expected)
+    for g, g_ref in zip(grads, expected_grads):
+        torch.testing.assert_close(g, g_ref)
+    assert (grads[1][6] == 0).all()  # the last replica never used y
+
+
+def test_input_gradient_keeps_the_channels_last_layout() -> None:
+    x = torch.randn(4, 3, 2, 2).contiguous(memory_format=torch.channels_last).requires_grad_()
+    (grad,) = torch.autograd.grad(ThreadedDataParallel(nn.Identity(), ["cpu"] * 2)(x * 1).sum() * 2, x)
+    assert grad.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(grad, torch.full_like(x, 2.0))
+
+
 def test_small_batch_with_non_tensor_keyword_arguments() -> None:
     class Model(nn.Module):
         def forward(self, x, scale=1.0):
