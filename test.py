@@ -69,7 +69,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from functions import backend_info
-from functions.distributed import run_local_group
+from testkit.local_group import run_local_group
 from modules import nn as NN
 from modules.parallel import ThreadedDataParallel
 

@@ -20,16 +20,10 @@ never arrives is covered by the collective's own timeout (``init_process_group(t
 """
 from __future__ import annotations
 
-import gc
-import os
-import socket
-import sys
-import tempfile
 import zlib
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -197,34 +191,6 @@ def all_reduce_sums(local: Tensor, call: ProcessGroupCall) -> Tensor:
     return row[:-4].to(local.dtype)
 
 
-_COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast", "all_gather_object")
-
-
-@contextmanager
-def count_collectives() -> Iterator[dict[str, list[int]]]:
-    """Count the collectives that Python code runs through ``torch.distributed`` while the
-    block runs: ``{name: [elements sent by this rank, per call]}``. Diagnostics for tests and
-    benchmarks (DDP's gradient buckets run in C++ and are not seen)."""
-    counts: dict[str, list[int]] = {}
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-
-    def counting(name: str, original: Callable) -> Callable:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            sent = args[1] if name.startswith("all_gather") and name != "all_gather_object" else args[0]
-            counts.setdefault(name, []).append(sent.numel() if isinstance(sent, Tensor) else -1)
-            return original(*args, **kwargs)
-
-        return wrapper
-
-    for name, original in originals.items():
-        setattr(dist, name, counting(name, original))
-    try:
-        yield counts
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-
-
 def consecutive_rank_groups(group_size: int, timeout: timedelta | None = None) -> Any:
     """This rank's group when the default group is split into groups of ``group_size``
     consecutive ranks (ranks 0..k-1, k..2k-1, ...), with ``torch.distributed.new_subgroups``.
@@ -240,46 +206,3 @@ def consecutive_rank_groups(group_size: int, timeout: timedelta | None = None) -
         raise ValueError(f"consecutive_rank_groups: group_size must divide the world size {world}, got {group_size!r}")
     group, _ = dist.new_subgroups(group_size=group_size, timeout=timeout)
     return group
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _local_worker(
-    rank: int, world_size: int, port: int, timeout_s: float, threads: int | None, out_dir: str, fn: Callable, args: tuple
-) -> None:
-    if threads is not None:
-        torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-    )
-    torch.save(fn(rank, world_size, *args), os.path.join(out_dir, f"{rank}.pt"))
-    gc.collect()  # DDP reducers and their groups go before the default group does
-    dist.destroy_process_group()
-    # Gloo's threads can abort the interpreter's teardown ("terminate called without an active
-    # exception", seen about once in 10 runs here): the work is done and saved, so skip it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def run_local_group(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 30.0, threads: int | None = 1
-) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in a Gloo
-    group on loopback (a free port; collectives time out after ``timeout_s``; ``threads`` intra-op
-    threads each, None for torch's default); returns what they returned, in rank order. ``fn``
-    must be importable (module level) and its result picklable by ``torch.save``. An error in a
-    process is re-raised here (``torch.multiprocessing.ProcessRaisedException``)."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        torch.multiprocessing.spawn(
-            _local_worker,
-            (world_size, free_port(), timeout_s, threads, out_dir, fn, args),
-            nprocs=world_size,
-            join=True,
-        )
-        return [torch.load(os.path.join(out_dir, f"{rank}.pt"), weights_only=False) for rank in range(world_size)]

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from functions.replicas import ReplicaRound, ReplicaSyncError, abort_rounds, replica_rounds
 
-from .nn import name_sync_layers
+from .conversion import name_sync_layers
 
 __all__ = ["ThreadedDataParallel"]
 

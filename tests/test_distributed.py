@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from functions.distributed import count_collectives, run_local_group
+from testkit.collectives import count_collectives
+from testkit.local_group import run_local_group
 from helpers import randomize_affine
 from modules import nn as NN
 from modules.parallel import ThreadedDataParallel

@@ -205,7 +205,7 @@ def compiled_ddp_worker(rank: int, world_size: int) -> tuple[list[float], int, d
 
 
 def test_ddp_under_compile_matches_eager_with_breaks_only_at_the_exchange() -> None:
-    from functions.distributed import run_local_group
+    from testkit.local_group import run_local_group
 
     for differences, breaks_at_ours, recompiles in run_local_group(compiled_ddp_worker, 2, timeout_s=60):
         assert max(differences) < 1e-10, differences

@@ -1,0 +1,124 @@
+"""Between torch's batch norm layers and ours: convert a model's layers to ours, revert them, freeze
+them, and name them after their paths for error messages."""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .nn import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d, _bias_kwarg
+
+_TO_SYNC: dict[type, type[SyncBatchNorm]] = {
+    nn.BatchNorm1d: SyncBatchNorm1d,
+    nn.BatchNorm2d: SyncBatchNorm2d,
+    nn.BatchNorm3d: SyncBatchNorm3d,
+    nn.SyncBatchNorm: SyncBatchNorm,
+}
+_TO_TORCH: dict[type, type[_BatchNorm]] = {sync: plain for plain, sync in _TO_SYNC.items()}
+
+
+def _move_state(source: _BatchNorm, target: _BatchNorm) -> _BatchNorm:
+    """Give ``target`` the very parameters, buffers and training flag of ``source``."""
+    target.weight, target.bias = source.weight, source.bias
+    target.running_mean, target.running_var = source.running_mean, source.running_var
+    target.num_batches_tracked = source.num_batches_tracked
+    target.train(source.training)
+    if hasattr(source, "qconfig"):
+        target.qconfig = source.qconfig
+    return target
+
+
+def _layer_args(layer: _BatchNorm) -> dict[str, Any]:
+    return dict(
+        num_features=layer.num_features,
+        eps=layer.eps,
+        momentum=layer.momentum,
+        affine=layer.affine,
+        track_running_stats=layer.track_running_stats,
+        device="meta",
+        **_bias_kwarg(layer.bias is not None or not layer.affine),
+    )
+
+
+def _rebuild_children(module: nn.Module, result: nn.Module, convert_child) -> nn.Module:
+    """Put ``convert_child(name, child)`` in each child slot of ``result``; every slot, so that
+    a layer held twice is replaced in both places."""
+    for child_name, child in list(module._modules.items()):
+        if child is not None:
+            result.add_module(child_name, convert_child(child_name, child))
+    return result
+
+
+def _convert(module: nn.Module, name: str, process_group: Any | None, memo: dict[int, nn.Module]) -> nn.Module:
+    if id(module) in memo:
+        return memo[id(module)]
+    result = module
+    if isinstance(module, SyncBatchNorm):
+        if process_group is not None:
+            module.process_group = process_group
+        module.layer_name = module.layer_name or name or None
+    elif type(module) in _TO_SYNC:
+        result = _move_state(module, _TO_SYNC[type(module)](**_layer_args(module)))  # type: ignore[arg-type]
+        result.process_group = process_group if process_group is not None else getattr(module, "process_group", None)
+        result.layer_name = name or None
+    memo[id(module)] = result
+    return _rebuild_children(
+        module, result, lambda child_name, child: _convert(child, f"{name}.{child_name}" if name else child_name, process_group, memo)
+    )
+
+
+def convert_sync_batchnorm(module: nn.Module, process_group: Any | None = None) -> nn.Module:
+    """Turn every ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` in ``module`` into ours.
+
+    The new layers hold the very same weight and bias Parameters (so optimizers keep working),
+    buffers, requires_grad, training flag, device and dtype (and an ``nn.SyncBatchNorm``'s
+    process group, unless ``process_group`` is given); each gets its path in the model as
+    ``layer_name`` for error messages. A layer held in two places becomes one layer of ours in
+    both. Returns the converted module (a new object when ``module`` itself is a batch norm).
+    """
+    return _convert(module, "", process_group, {})
+
+
+def _revert(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
+    if id(module) in memo:
+        return memo[id(module)]
+    result = module
+    if isinstance(module, SyncBatchNorm):
+        if module.frozen or module.activation is not None:
+            what = "is frozen" if module.frozen else f"has the fused activation {module.activation!r}"
+            raise ValueError(f"{module._label()} {what}, which nn.BatchNorm cannot express; unfreeze it or build it unfused")
+        plain = next(_TO_TORCH[cls] for cls in type(module).__mro__ if cls in _TO_TORCH)
+        args = _layer_args(module)
+        if plain is nn.SyncBatchNorm:
+            args["process_group"] = module.process_group
+        result = _move_state(module, plain(**args))
+    memo[id(module)] = result
+    return _rebuild_children(module, result, lambda _, child: _revert(child, memo))
+
+
+def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """The way back: our layers become ``nn.BatchNorm1d/2d/3d`` (``SyncBatchNorm``, of any
+    rank, becomes ``nn.SyncBatchNorm``), keeping parameters, buffers and the training flag.
+    Raises ValueError for a frozen layer or one with a fused activation (torch's have neither)."""
+    return _revert(module, {})
+
+
+def freeze_batchnorm(module: nn.Module) -> nn.Module:
+    """Freeze every batch norm of ``module``: torch's are converted to ours first (as by
+    :func:`convert_sync_batchnorm`), then each is :meth:`SyncBatchNorm.freeze`-d: normalized
+    with its running statistics in training too, never updated, never synced; weight and bias
+    still train where they require grad. Returns the module (a new object when ``module``
+    itself is a batch norm); its state_dict is unchanged."""
+    module = convert_sync_batchnorm(module)
+    for layer in module.modules():
+        if isinstance(layer, SyncBatchNorm):
+            layer.freeze()
+    return module
+
+
+def name_sync_layers(module: nn.Module) -> None:
+    """Give every unnamed layer of ours its path in ``module``, for error messages."""
+    for name, layer in module.named_modules():
+        if isinstance(layer, SyncBatchNorm) and not layer.layer_name:
+            layer.layer_name = name or None
