@@ -1,10 +1,13 @@
-"""What one replica (or one process) contributes to a synchronized layer's statistics."""
+"""What one replica (or one process) contributes to a synchronized layer's statistics, and how the
+contributions are checked and merged (math only: the parts' tensors are on one device)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from . import devices
 
 
 @dataclass(frozen=True)
@@ -18,3 +21,49 @@ class LocalStats:
     input_shape: torch.Size
     ready: object = field(default=None, compare=False, repr=False)
     """A CUDA event after the work that produced mean and m2 (:func:`functions.devices.mark_ready`), or None."""
+
+
+def check_values_per_channel(total: int, layer: str, shapes: list[torch.Size], parts: str = "replicas") -> None:
+    """Batch statistics need more than one value per channel (torch raises ValueError too)."""
+    if total == 1:
+        sizes = ", ".join(str(tuple(s)) for s in shapes)
+        raise ValueError(
+            f"{layer}: Expected more than 1 value per channel when training, got input size "
+            f"{sizes}" + (f" over {len(shapes)} {parts}" if len(shapes) > 1 else "")
+        )
+
+
+def check_parts_agree(parts: list[LocalStats], layer: str) -> None:
+    """The replicas' inputs have the same channels and dtype."""
+    first = parts[0]
+    for index, part in enumerate(parts):
+        if part.mean.numel() != first.mean.numel() or part.input_dtype != first.input_dtype:
+            raise RuntimeError(
+                f"{layer}: replicas disagree on their input: replica 0 has "
+                f"{first.mean.numel()} channels of {first.input_dtype}, replica {index} has "
+                f"{part.mean.numel()} channels of {part.input_dtype}"
+            )
+
+
+def merge(parts: list[LocalStats]) -> tuple[int, Tensor, Tensor]:
+    """Count, mean and biased variance of the parts' union, with Chan's formula (the
+    ``merge_stats`` operator); count 0 gives mean 0 and variance 1."""
+    first = parts[0]
+    total = sum(part.count for part in parts)
+    if total == 0:
+        return 0, torch.zeros_like(first.mean), torch.ones_like(first.mean)
+    if len(parts) == 1:
+        return total, first.mean, first.m2 / total
+    counts = devices.counts_on([part.count for part in parts], first.mean.device, first.mean.dtype)
+    means = torch.stack([part.mean for part in parts])
+    m2s = torch.stack([part.m2 for part in parts])
+    mean, var = torch.ops.syncbn.merge_stats(counts, means, m2s)
+    return total, mean, var
+
+
+def merge_into_one(parts: list[LocalStats]) -> LocalStats:
+    """The parts as one contribution (what a process sends to the other ranks)."""
+    count, mean, var = merge(parts)
+    first = parts[0]
+    shape = torch.Size([sum(part.input_shape[0] for part in parts), *first.input_shape[1:]])
+    return LocalStats(count, mean, var * count, first.input_dtype, shape)

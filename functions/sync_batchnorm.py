@@ -1,5 +1,5 @@
-"""Synchronized batch norm: the autograd Function, its functional entry point, and the math
-that joins the replicas' statistics.
+"""Synchronized batch norm: the autograd Function and its functional entry point, the math over
+the operators. The math, written once for the whole project:
 
 Forward, per channel c, over the N values of every replica:
     each replica computes (n_i, mean_i, M2_i); the master merges them with Chan's formula into
@@ -15,155 +15,21 @@ over the replicas in one exchange; then
     grad_weight = local sum_dy_xmu * invstd, grad_bias = local sum_dy
 (DataParallel sums parameter gradients over replicas itself).
 
-Across processes (``process_call`` given, see :mod:`functions.distributed`), the master of each
-process (or the lone layer under DDP) merges its replicas' parts into the process's
-(count, mean, M2), all_gathers those of every rank and merges them in rank order; in backward it
-all_reduces the replicas' summed (sum_dy, sum_dy_xmu). One collective per call and direction.
+How the replicas and ranks exchange (rounds, fences, collectives, failures) is the business of
+the :class:`~functions.synchronization.Synchronizer` that the layer hands in: this module is the
+math over the ``torch.ops.syncbn`` operators.
 """
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 from torch import Tensor
 from torch.autograd.function import Function
 from torch.nn import functional as F
 
-from . import backend, devices, reference  # noqa: F401  (backend: registers the kernels)
-from .distributed import ProcessGroupCall, all_gather_stats, all_reduce_sums
+from . import backend, reference  # noqa: F401  (backend: registers the kernels)
 from .reference import memory_format_of, values_per_channel
-from .replicas import ReplicaCall
-from .stats import LocalStats
-
-
-def check_values_per_channel(total: int, layer: str, shapes: list[torch.Size], parts: str = "replicas") -> None:
-    """Batch statistics need more than one value per channel (torch raises ValueError too)."""
-    if total == 1:
-        sizes = ", ".join(str(tuple(s)) for s in shapes)
-        raise ValueError(
-            f"{layer}: Expected more than 1 value per channel when training, got input size "
-            f"{sizes}" + (f" over {len(shapes)} {parts}" if len(shapes) > 1 else "")
-        )
-
-
-def _check_replicas_agree(parts: list[LocalStats], layer: str) -> None:
-    first = parts[0]
-    for index, part in enumerate(parts):
-        if part.mean.numel() != first.mean.numel() or part.input_dtype != first.input_dtype:
-            raise RuntimeError(
-                f"{layer}: replicas disagree on their input: replica 0 has "
-                f"{first.mean.numel()} channels of {first.input_dtype}, replica {index} has "
-                f"{part.mean.numel()} channels of {part.input_dtype}"
-            )
-
-
-def _merge(parts: list[LocalStats]) -> tuple[int, Tensor, Tensor]:
-    """Count, mean and biased variance of the parts' union (count 0: mean 0, variance 1)."""
-    first = parts[0]
-    total = sum(part.count for part in parts)
-    if total == 0:
-        return 0, torch.zeros_like(first.mean), torch.ones_like(first.mean)
-    if len(parts) == 1:
-        return total, first.mean, first.m2 / total
-    device = first.mean.device
-    # no host synchronization: counts from pinned memory, peer copies after each replica's stream
-    counts = devices.counts_on([part.count for part in parts], device, first.mean.dtype)
-    means = torch.stack([devices.fetch(part.mean, device, part.ready) for part in parts])
-    m2s = torch.stack([devices.fetch(part.m2, device, part.ready) for part in parts])
-    mean, var = torch.ops.syncbn.merge_stats(counts, means, m2s)
-    return total, mean, var
-
-
-def _merge_into_one(parts: list[LocalStats]) -> LocalStats:
-    """The parts as one contribution (what a process sends to the other ranks)."""
-    count, mean, var = _merge(parts)
-    first = parts[0]
-    shape = torch.Size([sum(part.input_shape[0] for part in parts), *first.input_shape[1:]])
-    return LocalStats(count, mean, var * count, first.input_dtype, shape)
-
-
-def merge_replica_stats(
-    parts: list[LocalStats], layer: str, process_call: ProcessGroupCall | None = None
-) -> tuple[int, Tensor, Tensor]:
-    """Global count, mean and biased variance (float64) of the replicas' parts, on parts[0]'s
-    device; with ``process_call``, of every rank's replicas (one all_gather).
-
-    Raises when the replicas (or ranks) disagree on channels or dtype, or hold one value per
-    channel between them, before anything is updated; the ranks raise alike.
-    """
-    _check_replicas_agree(parts, layer)
-    what = "replicas"
-    if process_call is not None:
-        parts, what = all_gather_stats(_merge_into_one(parts), process_call), "ranks"
-    total = sum(part.count for part in parts)
-    check_values_per_channel(total, layer, [part.input_shape for part in parts], what)
-    return _merge(parts)
-
-
-def sum_replica_tensors(parts: list[Tensor], process_call: ProcessGroupCall | None = None) -> Tensor:
-    """Sum of the replicas' tensors on parts[0]'s device, in replica order; with
-    ``process_call``, summed over the ranks too (one all_reduce)."""
-    total = parts[0] if len(parts) == 1 else torch.stack([part.to(parts[0].device) for part in parts]).sum(0)
-    return total if process_call is None else all_reduce_sums(total, process_call)
-
-
-class SyncCall:
-    """One synchronized call of a layer: its exchange with the other replicas of the process
-    (``replica_call``) and/or with the other ranks (``process_call``, on the master replica).
-
-    :meth:`merge_stats` is the forward exchange, :meth:`sum_grads` the backward one, and
-    :meth:`abort` releases the other replicas when this one fails. ``count`` is the global number
-    of values per channel once the forward exchange has run.
-    """
-
-    def __init__(self, replica_call: ReplicaCall | None, process_call: ProcessGroupCall | None, layer: str) -> None:
-        self.replica_call, self.process_call, self.layer = replica_call, process_call, layer
-        self.count: int | None = None
-
-    @property
-    def is_master(self) -> bool:
-        """The one replica that updates the running statistics."""
-        return self.replica_call is None or self.replica_call.is_master
-
-    def merge_stats(self, x: Tensor, mean: Tensor, m2: Tensor) -> tuple[int, Tensor, Tensor]:
-        """Global count, mean and biased variance (float64) from this replica's local ``mean``
-        and ``m2`` of ``x``, on x's device."""
-        local = LocalStats(values_per_channel(x), mean, m2, x.dtype, x.shape)
-        if self.replica_call is None:
-            count, mean, var = merge_replica_stats([local], self.layer, self.process_call)
-        else:
-            local = dataclasses.replace(local, ready=devices.mark_ready(local.mean))
-
-            def merge(parts: list[LocalStats]) -> tuple:
-                count, mean, var = merge_replica_stats(parts, self.layer, self.process_call)
-                return count, mean, var, devices.mark_ready(var)
-
-            count, mean, var, ready = self.replica_call.exchange("forward", local, merge)
-            mean, var = devices.fetch(mean, x.device, ready), devices.fetch(var, x.device, ready)
-        self.count = count
-        return count, mean, var
-
-    def sum_grads(self, sum_dy: Tensor, sum_dy_xmu: Tensor) -> tuple[Tensor, Tensor]:
-        """(sum_dy, sum_dy_xmu) summed over every replica (and rank) in one exchange, on this
-        replica's device."""
-        both = torch.cat([sum_dy, sum_dy_xmu])
-        process_call = self.process_call
-
-        def sum_parts(parts: list[tuple[Tensor, object]]) -> tuple[Tensor, object]:
-            device = parts[0][0].device
-            total = sum_replica_tensors([devices.fetch(t, device, ready) for t, ready in parts], process_call)
-            return total, devices.mark_ready(total)
-
-        if self.replica_call is not None:
-            total, ready = self.replica_call.exchange("backward", (both, devices.mark_ready(both)), sum_parts)
-        else:
-            total, ready = sum_parts([(both, None)])
-        return devices.fetch(total, both.device, ready).chunk(2)
-
-    def abort(self, error: BaseException) -> None:
-        """Release the other replicas of the round at once (they raise instead of waiting)."""
-        if self.replica_call is not None:
-            self.replica_call.round.abort(error, self.replica_call.index)
+from .stats import check_values_per_channel
+from .synchronization import Synchronizer
 
 
 class SyncBatchNormFunction(Function):
@@ -172,7 +38,7 @@ class SyncBatchNormFunction(Function):
 
     ``apply(input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
     sync, layer, residual, negative_slope)`` returns ``(y, mean, invstd)`` (the last two, in the
-    accumulation dtype, are not differentiable). ``sync`` is a :class:`SyncCall`, or None for a
+    accumulation dtype, are not differentiable). ``sync`` is a :class:`Synchronizer`, or None for a
     lone replica of a lone process (then one ``batch_norm_train`` operator does the whole
     forward); ``layer`` names the layer in errors. ``input`` is ``(N, C, *)``; weight, bias and
     running stats are ``(C,)`` or None; ``residual`` is None or shaped as ``input``;
@@ -193,7 +59,7 @@ class SyncBatchNormFunction(Function):
         num_batches_tracked: Tensor | None,
         momentum: float | None,
         eps: float,
-        sync: SyncCall | None,
+        sync: Synchronizer | None,
         layer: str,
         residual: Tensor | None = None,
         negative_slope: float | None = None,
@@ -204,7 +70,7 @@ class SyncBatchNormFunction(Function):
             return torch.ops.syncbn.batch_norm_train(
                 x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, residual, negative_slope
             )
-        count, mean, var = sync.merge_stats(x, *torch.ops.syncbn.local_stats(x))
+        count, mean, var = sync.global_stats(x, *torch.ops.syncbn.local_stats(x))
         if sync.is_master:
             torch.ops.syncbn.update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, count)
         return reference.normalize(x, mean, var, eps, weight, bias, residual, negative_slope)
@@ -226,14 +92,14 @@ class SyncBatchNormFunction(Function):
                     f"{ctx.layer}: double backward (create_graph=True) through a layer synchronized across "
                     "replicas or processes is not supported; it is on one device in one process"
                 )
-                ctx.sync.abort(error)
+                ctx.sync.fail(error)
                 raise error
             return differentiable_backward(ctx, grad_output, batch_norm_with_batch_stats, (0, 1, 2, 10))
         try:
             return SyncBatchNormFunction._backward(ctx, grad_output)
         except BaseException as error:
             if ctx.sync is not None:
-                ctx.sync.abort(error)
+                ctx.sync.fail(error)
             raise
 
     @staticmethod
@@ -250,7 +116,7 @@ class SyncBatchNormFunction(Function):
         wants_input, wants_weight, wants_bias = ctx.needs_input_grad[:3]
         grad_input = grad_weight = grad_bias = grad_residual = None
         if wants_input:
-            total_dy, total_dy_xmu = (sum_dy, sum_dy_xmu) if ctx.sync is None else ctx.sync.sum_grads(sum_dy, sum_dy_xmu)
+            total_dy, total_dy_xmu = (sum_dy, sum_dy_xmu) if ctx.sync is None else ctx.sync.global_grad_sums(sum_dy, sum_dy_xmu)
             grad_input = torch.ops.syncbn.backward_elemt(dy, x, mean, invstd, weight, total_dy, total_dy_xmu, ctx.count)
         if weight is not None and wants_weight:
             grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
@@ -311,8 +177,7 @@ def sync_batch_norm(
     eps: float = 1e-5,
     *,
     num_batches_tracked: Tensor | None = None,
-    replica_call: ReplicaCall | None = None,
-    process_call: ProcessGroupCall | None = None,
+    sync: Synchronizer | None = None,
     layer: str = "sync_batch_norm",
     residual: Tensor | None = None,
     negative_slope: float | None = None,
@@ -329,16 +194,14 @@ def sync_batch_norm(
     ``running_var`` are ``(C,)`` or None. The running statistics (when given) and
     ``num_batches_tracked`` are updated in place, once, by the master replica (index 0):
     ``running = (1 - momentum) * running + momentum * batch`` with the unbiased variance, or
-    the cumulative average when ``momentum`` is None. Without ``replica_call`` this is an
-    ordinary training-mode batch norm through the same kernels. ``process_call`` (from a
-    :class:`~functions.distributed.ProcessGroupSync`) syncs across the ranks of its group too,
-    on the master replica (index 0) of each process. ``residual`` (z, None: 0) is shaped and
+    the cumulative average when ``momentum`` is None. ``sync`` (a
+    :class:`~functions.synchronization.Synchronizer`, which a layer builds for each call) takes
+    the statistics over every replica of the process and every rank of its group; without it
+    this is an ordinary training-mode batch norm through the same kernels. ``residual`` (z, None: 0) is shaped and
     typed as ``input``; ``act`` is the identity when ``negative_slope`` is None, else
     ``p if p > 0 else p * negative_slope`` (ReLU: 0.0). Returns ``y``, shaped and laid out as
     ``input``.
     """
-    replicated = replica_call is not None or process_call is not None
-    sync = SyncCall(replica_call, process_call, layer) if replicated else None
     y, _, _ = apply_function(
         SyncBatchNormFunction,
         input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, sync, layer, residual,

@@ -15,7 +15,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from functions import frozen_batch_norm, sync_batch_norm
 from functions.lone_replica import takes_our_kernels
-from functions.distributed import ProcessGroupSync, active_process_group, consecutive_rank_groups, report_failure
+from functions.distributed import ProcessGroupSync, active_process_group, consecutive_rank_groups
+from functions.reference import values_per_channel
+from functions.stats import check_values_per_channel
+from functions.synchronization import Synchronizer
 from functions.replicas import REPLICA_ATTR, ReplicaHandle, RoundTracker, resolve_timeout
 
 __all__ = [
@@ -230,13 +233,7 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input: Tensor, z: Tensor | None = None) -> Tensor:
         if isinstance(input, torch.fx.Proxy):
             return self._record_fx_call(input, z)
-        handle: ReplicaHandle | None = getattr(self, REPLICA_ATTR)
-        try:
-            return self._forward(input, z, handle)
-        except BaseException as error:
-            if handle is not None:
-                handle.round.abort(error, handle.index)
-            raise
+        return self._forward(input, z)
 
     def _record_fx_call(self, input: torch.fx.Proxy, z: Any) -> torch.fx.Proxy:
         """Under torch.fx symbolic tracing: one ``call_module`` node, as for torch's batch norm
@@ -245,7 +242,8 @@ class SyncBatchNorm(_BatchNorm):
         args = (input,) if z is None else (input, z)
         return tracer.create_proxy("call_module", tracer.path_of_module(self), args, {})
 
-    def _forward(self, input: Tensor, z: Tensor | None, handle: ReplicaHandle | None) -> Tensor:
+    def _forward(self, input: Tensor, z: Tensor | None) -> Tensor:
+        """The one place where a call picks its path."""
         uses_batch_stats = not self.frozen and (
             self.training or (self.running_mean is None and self.running_var is None)
         )
@@ -255,23 +253,24 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"{self._label()}: batch_norm eps must be positive during training, but got {self.eps}")
         # batch statistics are global in training only: in eval each replica and each rank uses
         # its own batch and never waits for the others (as nn.SyncBatchNorm's need_sync)
+        handle: ReplicaHandle | None = getattr(self, REPLICA_ATTR)
         group = active_process_group(self.process_group, self._label) if self.training else None
-        replicated = self.training and handle is not None and handle.round.size > 1
-        if replicated or group is not None:
-            return self._forward_synced(input, z, handle, group, replicated)
+        syncs_replicas = self.training and handle is not None and handle.round.size > 1
+        syncs_processes = group is not None
+        if syncs_replicas or syncs_processes:
+            return self._forward_synced(input, z, handle if syncs_replicas else None, group)
         self._check_input(input, z)
         # torch's own batch norm where it beats our kernels (measured: functions/lone_replica.py);
         # not for the cumulative average (momentum=None), whose factor torch reads on the host (a
         # sync on CUDA, and a value that torch.compile(fullgraph=True) and torch.export cannot
         # trace), and ours does not
-        if self.momentum is not None and not takes_our_kernels(input, fixed_stats=False, fused=self._fuses(z)):
-            if input.numel() == input.size(1):
-                raise ValueError(
-                    f"{self._label()}: Expected more than 1 value per channel when training, "
-                    f"got input size {input.size()}"
-                )
+        takes_torch_kernels = self.momentum is not None and not takes_our_kernels(
+            input, fixed_stats=False, fused=self._fuses(z)
+        )
+        if takes_torch_kernels:
+            check_values_per_channel(values_per_channel(input), self._label(), [input.shape])
             return self._activate(self._torch_batch_norm_train(input), z)
-        return self._sync_batch_norm(input, z, None, None)
+        return self._sync_batch_norm(input, z, None)
 
     def _torch_batch_norm_train(self, input: Tensor) -> Tensor:
         """``nn.BatchNorm*.forward`` in training with ``momentum`` set, less the checks that
@@ -283,18 +282,19 @@ class SyncBatchNorm(_BatchNorm):
         return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, True, self.momentum, self.eps)
 
     @torch.compiler.disable
-    def _forward_synced(
-        self, input: Tensor, z: Tensor | None, handle: ReplicaHandle | None, group: Any, replicated: bool
-    ) -> Tensor:
-        """Replicas or ranks exchange statistics (eagerly: torch.compile breaks the graph here)."""
-        # the master replica of each process (or the lone layer) takes part in the collectives
-        process_call = None
-        if group is not None and (handle is None or handle.index == 0):
-            process_call = self._process_sync.next_call(group, self._label())
-        self._check_input_before(process_call, input, z)
-        return self._sync_batch_norm(input, z, handle.next_call() if replicated else None, process_call)
+    def _forward_synced(self, input: Tensor, z: Tensor | None, handle: ReplicaHandle | None, group: Any) -> Tensor:
+        """Replicas (``handle``) and/or ranks (``group``) exchange statistics, eagerly:
+        torch.compile breaks the graph here."""
+        device = self.weight.device if self.weight is not None else input.device
+        sync = Synchronizer.for_call(handle, group, self._process_sync, self._label(), self.num_features, device)
+        try:
+            self._check_input(input, z)
+            return self._sync_batch_norm(input, z, sync)
+        except BaseException as error:
+            sync.fail(error)
+            raise
 
-    def _sync_batch_norm(self, input: Tensor, z: Tensor | None, replica_call: Any, process_call: Any) -> Tensor:
+    def _sync_batch_norm(self, input: Tensor, z: Tensor | None, sync: Synchronizer | None) -> Tensor:
         updates = self.training and self.track_running_stats
         return sync_batch_norm(
             input,
@@ -305,8 +305,7 @@ class SyncBatchNorm(_BatchNorm):
             self.momentum,
             self.eps,
             num_batches_tracked=self.num_batches_tracked if updates else None,
-            replica_call=replica_call,
-            process_call=process_call,
+            sync=sync,
             layer=self._label(),
             residual=z,
             negative_slope=self._negative_slope(),
@@ -324,17 +323,6 @@ class SyncBatchNorm(_BatchNorm):
         return frozen_batch_norm(
             input, self.running_mean, self.running_var, self.weight, self.bias, self.eps, z, self._negative_slope()
         )
-
-    def _check_input_before(self, process_call: Any | None, input: Tensor, z: Tensor | None) -> None:
-        """:meth:`_check_input`; on bad input, first tell the other ranks (they raise too,
-        rather than wait in the collective until its timeout)."""
-        try:
-            self._check_input(input, z)
-        except (ValueError, RuntimeError):
-            if process_call is not None:
-                device = self.weight.device if self.weight is not None else input.device
-                report_failure(process_call, self.num_features, device)
-            raise
 
 
 class SyncBatchNorm1d(SyncBatchNorm):

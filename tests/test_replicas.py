@@ -305,16 +305,16 @@ def test_a_slow_master_combine_is_waited_for() -> None:
 
 
 def test_failure_inside_the_layer_backward_releases_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
-    import functions.sync_batchnorm as sbn
+    from functions.synchronization import Synchronizer
 
-    real = sbn.SyncCall.sum_grads
+    real = Synchronizer.global_grad_sums
 
     def failing_sum(self, sum_dy, sum_dy_xmu):
         if self.replica_call.index == 1:
             raise MemoryError("simulated out of memory in replica 1")
         return real(self, sum_dy, sum_dy_xmu)
 
-    monkeypatch.setattr(sbn.SyncCall, "sum_grads", failing_sum)
+    monkeypatch.setattr(Synchronizer, "global_grad_sums", failing_sum)
     bn = NN.SyncBatchNorm1d(2, timeout=30).double()
     replicas = stock_replicas(bn, 2)
     chunks = [torch.randn(n, 2, dtype=torch.float64, requires_grad=True) for n in (2, 1)]

@@ -1,0 +1,155 @@
+"""Where the replicas and the ranks of a synchronized layer meet, for one call: the one owner of
+rounds, fences, collectives, failure reporting and aborts.
+
+The layer builds a :class:`Synchronizer` for each call that syncs (training with more than one
+replica in the process, or a process group of more than one rank). The autograd Function asks
+it for two exchanges and nothing else:
+
+- forward, :meth:`Synchronizer.global_stats`: each replica posts its (count, mean, M2) to its
+  round (:mod:`functions.replicas`); the master replica (index 0) fetches them onto its device
+  after each replica's work (:mod:`functions.devices`: an event per part, no host sync), checks
+  that they agree, and, where a process group is given, merges them into the process's part and
+  joins ONE all_gather (:mod:`functions.distributed`); then it merges every part in rank order
+  (:func:`functions.stats.merge`) and hands the result back to every replica;
+- backward, :meth:`Synchronizer.global_grad_sums`: the replicas' (sum_dy, sum_dy_xmu) summed on
+  the master, then over the ranks in ONE all_reduce, and handed back.
+
+Whoever catches an error during the call hands it to :meth:`Synchronizer.fail`: the other
+replicas of the round are released at once (they raise instead of waiting), and a process master
+that has not yet joined the forward's collective joins it with a failed flag, so that the other
+ranks raise too rather than wait for the collective's timeout.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from . import devices, stats
+from .distributed import ProcessGroupCall, ProcessGroupSync, all_gather_stats, all_reduce_sums, report_failure
+from .reference import values_per_channel
+from .replicas import ReplicaCall, ReplicaHandle
+from .stats import LocalStats
+
+
+class Synchronizer:
+    """One synchronized call of one layer: its exchanges with the other replicas of the process
+    (``replica_call``) and with the other ranks (``process_call``, held by the process master).
+
+    ``layer`` names the layer in errors; ``channels`` and ``device`` (the layer's) shape the
+    failed-flag row that :meth:`fail` sends to the ranks. ``count`` is the global number of
+    values per channel once :meth:`global_stats` has run.
+    """
+
+    def __init__(
+        self,
+        replica_call: ReplicaCall | None,
+        process_call: ProcessGroupCall | None,
+        layer: str,
+        channels: int,
+        device: torch.device,
+    ) -> None:
+        self.replica_call, self.process_call, self.layer = replica_call, process_call, layer
+        self.channels, self.device = channels, device
+        self.count: int | None = None
+        self._joined_collective = False
+
+    @classmethod
+    def for_call(
+        cls,
+        handle: ReplicaHandle | None,
+        group: Any | None,
+        process_calls: ProcessGroupSync,
+        layer: str,
+        channels: int,
+        device: torch.device,
+    ) -> "Synchronizer":
+        """The synchronizer of a layer's next call. ``handle``: this replica's place in a round of
+        more than one replica (None: the only replica of its process); ``group``: the process
+        group to sync over (None: this process alone); ``process_calls``: the layer's count of
+        calls across processes. The master replica of each process (or the only one) takes part
+        in the collectives."""
+        replica_call = handle.next_call() if handle is not None else None
+        is_process_master = handle is None or handle.index == 0
+        process_call = process_calls.next_call(group, layer) if group is not None and is_process_master else None
+        return cls(replica_call, process_call, layer, channels, device)
+
+    @property
+    def is_master(self) -> bool:
+        """The one replica of the process that updates the running statistics."""
+        return self.replica_call is None or self.replica_call.is_master
+
+    def global_stats(self, x: Tensor, mean: Tensor, m2: Tensor) -> tuple[int, Tensor, Tensor]:
+        """Global count, mean and biased variance (float64), on x's device, from this replica's
+        local ``mean`` and ``m2`` of ``x`` (``(C,)`` each)."""
+        local = LocalStats(values_per_channel(x), mean, m2, x.dtype, x.shape)
+        if self.replica_call is None:
+            count, mean, var = self._merge_parts([local])
+        else:
+            local = dataclasses.replace(local, ready=devices.mark_ready(local.mean))
+
+            def merge(parts: list[LocalStats]) -> tuple:
+                count, mean, var = self._merge_parts(parts)
+                return count, mean, var, devices.mark_ready(var)
+
+            count, mean, var, ready = self._exchange("forward", local, merge)
+            mean, var = devices.fetch(mean, x.device, ready), devices.fetch(var, x.device, ready)
+        self.count = count
+        return count, mean, var
+
+    def global_grad_sums(self, sum_dy: Tensor, sum_dy_xmu: Tensor) -> tuple[Tensor, Tensor]:
+        """(sum_dy, sum_dy_xmu) summed over every replica and rank in one exchange, on this
+        replica's device."""
+        both = torch.cat([sum_dy, sum_dy_xmu])
+        if self.replica_call is None:
+            total, ready = self._sum_parts([(both, None)])
+        else:
+            total, ready = self._exchange("backward", (both, devices.mark_ready(both)), self._sum_parts)
+        return devices.fetch(total, both.device, ready).chunk(2)
+
+    def fail(self, error: BaseException) -> None:
+        """This replica failed during the call: release the other replicas of its round, and,
+        where this process has not joined the forward's collective yet, tell the other ranks."""
+        if self.replica_call is not None:
+            self.replica_call.round.abort(error, self.replica_call.index)
+        if self.process_call is not None and not self._joined_collective and isinstance(error, Exception):
+            self._joined_collective = True
+            report_failure(self.process_call, self.channels, self.device)
+
+    def _exchange(self, direction: str, payload: Any, combine: Callable[[list[Any]], Any]) -> Any:
+        assert self.replica_call is not None
+        return self.replica_call.exchange(direction, payload, combine)
+
+    def _merge_parts(self, parts: list[LocalStats]) -> tuple[int, Tensor, Tensor]:
+        """On the master: the replicas' parts (and, with a process group, every rank's) merged.
+        Raises when they disagree on channels or dtype, or hold one value per channel between
+        them, before anything is updated; the ranks raise alike."""
+        stats.check_parts_agree(parts, self.layer)
+        parts, what = _on_one_device(parts), "replicas"
+        if self.process_call is not None:
+            self._joined_collective = True
+            parts, what = all_gather_stats(stats.merge_into_one(parts), self.process_call), "ranks"
+        stats.check_values_per_channel(sum(part.count for part in parts), self.layer, [p.input_shape for p in parts], what)
+        return stats.merge(parts)
+
+    def _sum_parts(self, parts: list[tuple[Tensor, Any]]) -> tuple[Tensor, Any]:
+        """On the master: the replicas' tensors summed in replica order on the first one's device,
+        then over the ranks (one all_reduce)."""
+        device = parts[0][0].device
+        fetched = [devices.fetch(t, device, ready) for t, ready in parts]
+        total = fetched[0] if len(fetched) == 1 else torch.stack(fetched).sum(0)
+        if self.process_call is not None:
+            total = all_reduce_sums(total, self.process_call)
+        return total, devices.mark_ready(total)
+
+
+def _on_one_device(parts: list[LocalStats]) -> list[LocalStats]:
+    """The parts with their mean and M2 on the first part's device, each copied after the work
+    that produced it."""
+    device = parts[0].mean.device
+    return [
+        dataclasses.replace(part, mean=devices.fetch(part.mean, device, part.ready), m2=devices.fetch(part.m2, device, part.ready))
+        for part in parts
+    ]
