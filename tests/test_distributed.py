@@ -1,7 +1,8 @@
 """Synchronization across processes: real processes on loopback, Gloo, CPU.
 
-Each world size starts ONE set of processes (start-up dominates the cost) that runs every check
-of that size in order; each check is then reported as its own test. A check compares our layers
+Each behaviour is a test of its own (``@across_processes(worlds)``); the behaviours of a world size
+run in ONE set of processes (start-up dominates the cost), and one that crashes its set is run
+again alone, so one failure fails one test. A training behaviour compares our layers
 (under DDP, or ThreadedDataParallel replicas in each process) with nn.BatchNorm* on the
 concatenated global batch, in float64 with tolerance 1e-9, over several SGD steps: outputs,
 input gradients, parameter gradients (DDP averages them, so ours * world is compared), running
@@ -147,44 +148,118 @@ def expect_error_on_every_rank(run: Callable[[], object], error: type, *words: s
         assert word in str(caught.value), (word, str(caught.value))
 
 
-# --- the checks (each runs on every rank, in this order) -----------------------------------------
+# --- running the behaviours in processes -------------------------------------------------------
+
+BEHAVIOURS: dict[int, dict[str, Callable[[int, int], None]]] = {}
+"""world size -> {test name: what every rank runs}, in the order they run."""
 
 
-def check_2d_uneven_ddp(rank: int, world: int) -> None:
+def across_processes(*worlds: int) -> Callable[[Callable[[int, int], None]], Callable[..., None]]:
+    """Make ``behaviour(rank, world)`` a test that runs it on every rank of a local Gloo group
+    of each size in ``worlds``: the test named as the behaviour, parametrized over the world."""
+
+    def register(behaviour: Callable[[int, int], None]) -> Callable[..., None]:
+        for world in worlds:
+            BEHAVIOURS.setdefault(world, {})[behaviour.__name__] = behaviour
+
+        @pytest.mark.parametrize("world", worlds)
+        def test(process_sets: "ProcessSets", world: int) -> None:
+            process_sets.verify(world, behaviour.__name__)
+
+        test.__name__ = test.__qualname__ = behaviour.__name__
+        test.__doc__ = behaviour.__doc__
+        return test
+
+    return register
+
+
+def run_behaviours(rank: int, world: int, names: list[str]) -> dict[str, str | None]:
+    """In each process: run the named behaviours in order; the traceback of each that failed
+    (None where it passed)."""
+    results: dict[str, str | None] = {}
+    for name in names:
+        try:
+            BEHAVIOURS[world][name](rank, world)
+            results[name] = None
+        except BaseException:  # noqa: BLE001 - reported by the parent's test
+            results[name] = traceback.format_exc()
+    return results
+
+
+class ProcessSets:
+    """Runs every behaviour of a world size in ONE set of processes (their start-up dominates
+    the cost), the first time one of them is tested. Where that set dies (a crash, a timeout),
+    each behaviour is run again in a set of its own when it is tested, so that one failure fails
+    one test."""
+
+    def __init__(self) -> None:
+        self._outcomes: dict[int, list[dict[str, str | None]] | None] = {}
+
+    def verify(self, world: int, name: str) -> None:
+        if world not in self._outcomes:
+            try:
+                self._outcomes[world] = run_local_group(run_behaviours, world, list(BEHAVIOURS[world]), timeout_s=30)
+            except Exception:  # noqa: BLE001 - each behaviour is retried on its own below
+                self._outcomes[world] = None
+        outcome = self._outcomes[world]
+        if outcome is None:
+            outcome = run_local_group(run_behaviours, world, [name], timeout_s=30)
+        failures = [f"rank {rank}:\n{result[name]}" for rank, result in enumerate(outcome) if result[name]]
+        assert not failures, "\n".join(failures)
+
+
+@pytest.fixture(scope="module")
+def process_sets() -> ProcessSets:
+    return ProcessSets()
+
+
+# --- the behaviours (each runs on every rank, in this order) -------------------------------------
+
+
+@across_processes(2, 3)
+def test_2d_uneven_ddp(rank: int, world: int) -> None:
     train_against_full_batch(conv_bn_2d, [4, 3, 2][:world], (3, 4, 5))
 
 
-def check_2d_channels_last(rank: int, world: int) -> None:
+@across_processes(2)
+def test_2d_channels_last(rank: int, world: int) -> None:
     train_against_full_batch(conv_bn_2d, [3, 2, 4][:world], (3, 4, 4), memory_format=CL2)
 
 
-def check_3d(rank: int, world: int) -> None:
+@across_processes(2, 3)
+def test_3d(rank: int, world: int) -> None:
     train_against_full_batch(conv_bn_3d, [2, 3, 1][:world], (2, 3, 2, 3))
 
 
-def check_3d_channels_last(rank: int, world: int) -> None:
+@across_processes(2)
+def test_3d_channels_last(rank: int, world: int) -> None:
     train_against_full_batch(conv_bn_3d, [2, 1, 3][:world], (2, 3, 2, 2), memory_format=CL3, steps=2)
 
 
-def check_1d(rank: int, world: int) -> None:
+@across_processes(2, 3)
+def test_1d(rank: int, world: int) -> None:
     train_against_full_batch(linear_bn_1d, [3, 4, 2][:world], (6,))
     train_against_full_batch(bn_1d_ncl, [2, 3, 1][:world], (4, 5), steps=2)
 
 
-def check_empty_rank(rank: int, world: int) -> None:
+@across_processes(2, 3)
+def test_empty_rank(rank: int, world: int) -> None:
     train_against_full_batch(conv_bn_2d, [5, 0, 3][:world], (3, 3, 3))
 
 
-def check_one_sample_per_rank_1x1(rank: int, world: int) -> None:
+@across_processes(2)
+def test_one_sample_per_rank_1x1(rank: int, world: int) -> None:
     train_against_full_batch(conv_bn_2d, [1] * world, (3, 1, 1))
 
 
-def check_layer_options(rank: int, world: int) -> None:
+@across_processes(2)
+def test_layer_options(rank: int, world: int) -> None:
     train_against_full_batch(lambda: conv_bn_2d(affine=False), [3, 2, 2][:world], (3, 3, 3), steps=2)
     train_against_full_batch(lambda: conv_bn_2d(track_running_stats=False), [3, 2, 2][:world], (3, 3, 3), steps=2)
 
 
-def check_eval_without_running_stats_is_per_rank(rank: int, world: int) -> None:
+@across_processes(2)
+def test_eval_without_running_stats_is_per_rank(rank: int, world: int) -> None:
     # as nn.SyncBatchNorm: eval never communicates, each rank normalizes its own batch; only
     # rank 0 evaluates here (validation on one rank), and returns without waiting for the others
     torch.manual_seed(0)
@@ -199,7 +274,8 @@ def check_eval_without_running_stats_is_per_rank(rank: int, world: int) -> None:
     dist.barrier()
 
 
-def check_ddp_buffer_broadcast(rank: int, world: int) -> None:
+@across_processes(2)
+def test_ddp_buffer_broadcast(rank: int, world: int) -> None:
     # DDP's default: buffers broadcast from rank 0 at construction and before each forward, as
     # with torch's layers; ours then step identically on every rank
     torch.manual_seed(0)
@@ -214,14 +290,16 @@ def check_ddp_buffer_broadcast(rank: int, world: int) -> None:
     assert_identical_on_all_ranks(ours)
 
 
-def check_global_count_one_raises_on_every_rank(rank: int, world: int) -> None:
+@across_processes(2)
+def test_global_count_one_raises_on_every_rank(rank: int, world: int) -> None:
     layer = NN.SyncBatchNorm2d(3)
     x = torch.randn(1 if rank == 0 else 0, 3, 1, 1)
     expect_error_on_every_rank(lambda: layer(x), ValueError, "more than 1 value per channel", "ranks")
     assert int(layer.num_batches_tracked) == 0 and torch.equal(layer.running_mean, torch.zeros(3))
 
 
-def check_collectives_per_step(rank: int, world: int) -> None:
+@across_processes(2, 3)
+def test_collectives_per_step(rank: int, world: int) -> None:
     model = NN.convert_sync_batchnorm(conv_bn_2d().double())
     x = torch.randn(3, 3, 4, 4, dtype=torch.float64, requires_grad=True)
     with count_collectives() as counts:
@@ -237,7 +315,8 @@ def check_collectives_per_step(rank: int, world: int) -> None:
     assert counts == {}, f"eval with running statistics communicated: {counts}"
 
 
-def check_two_level(rank: int, world: int) -> None:
+@across_processes(2)
+def test_two_level(rank: int, world: int) -> None:
     # batch 5 on 2 replicas is 3 + 2; 3 on 2 replicas is 2 + 1
     train_against_full_batch(conv_bn_2d, [5, 3], (3, 3, 4), replicas=2)
     train_against_full_batch(bn_1d_ncl, [4, 3], (4, 3), replicas=2, steps=2)
@@ -245,7 +324,8 @@ def check_two_level(rank: int, world: int) -> None:
     train_against_full_batch(conv_bn_2d, [4, 0], (3, 2, 2), replicas=2, steps=2)  # empty process
 
 
-def check_frozen_never_communicates(rank: int, world: int) -> None:
+@across_processes(2)
+def test_frozen_never_communicates(rank: int, world: int) -> None:
     # frozen: torch's layers in eval mode with trainable affine, under DDP and two-level
     train_against_full_batch(conv_bn_2d, [4, 3], (3, 4, 5), make_ours=NN.freeze_batchnorm, ref_training=False)
     train_against_full_batch(conv_bn_2d, [3, 2], (3, 3, 4), replicas=2, make_ours=NN.freeze_batchnorm, ref_training=False)
@@ -257,7 +337,8 @@ def check_frozen_never_communicates(rank: int, world: int) -> None:
     assert counts == {}, f"frozen layers communicated: {counts}"
 
 
-def check_fused_activation(rank: int, world: int) -> None:
+@across_processes(2)
+def test_fused_activation(rank: int, world: int) -> None:
     fuse = lambda model: NN.fuse_bn_act(NN.convert_sync_batchnorm(model))  # noqa: E731
     ours = train_against_full_batch(conv_bn_2d, [4, 3], (3, 4, 5), make_ours=fuse)
     assert ours[1].activation == "relu"
@@ -284,7 +365,8 @@ class ResidualBlock(nn.Module):
         return model
 
 
-def check_call_count_mismatch(rank: int, world: int) -> None:
+@across_processes(2)
+def test_call_count_mismatch(rank: int, world: int) -> None:
     first, second = NN.SyncBatchNorm1d(4), NN.SyncBatchNorm1d(4)
     first.layer_name, second.layer_name = "first", "second"
     x = torch.randn(3, 4)
@@ -294,7 +376,8 @@ def check_call_count_mismatch(rank: int, world: int) -> None:
     expect_error_on_every_rank(lambda: layer(x), RuntimeError, "different synchronized calls", f"'{layer.layer_name}'")
 
 
-def check_backward_order_mismatch(rank: int, world: int) -> None:
+@across_processes(2)
+def test_backward_order_mismatch(rank: int, world: int) -> None:
     first, second = NN.SyncBatchNorm1d(4), NN.SyncBatchNorm1d(4)
     first.layer_name, second.layer_name = "first", "second"  # unnamed, they would look alike
     x = torch.randn(3, 4, requires_grad=True)
@@ -303,13 +386,15 @@ def check_backward_order_mismatch(rank: int, world: int) -> None:
     expect_error_on_every_rank(lambda: outputs[0].sum().backward(), RuntimeError, "backward of different synchronized calls")
 
 
-def check_dtype_mismatch(rank: int, world: int) -> None:
+@across_processes(2)
+def test_dtype_mismatch(rank: int, world: int) -> None:
     dtype = torch.float64 if rank == 0 else torch.float32
     layer = NN.SyncBatchNorm1d(4, dtype=dtype)
     expect_error_on_every_rank(lambda: layer(torch.randn(3, 4, dtype=dtype)), RuntimeError, "disagree on the input dtype")
 
 
-def check_bad_input_on_one_rank(rank: int, world: int) -> None:
+@across_processes(2)
+def test_bad_input_on_one_rank(rank: int, world: int) -> None:
     layer = NN.SyncBatchNorm2d(4)
     x = torch.randn(2, 3 if rank == 1 else 4, 2, 2)
     if rank == 1:
@@ -319,7 +404,29 @@ def check_bad_input_on_one_rank(rank: int, world: int) -> None:
     assert int(layer.num_batches_tracked) == 0
 
 
-def check_subgroups(rank: int, world: int) -> None:
+class FailsOnOneRow(nn.Module):
+    """Raises for a chunk of one row, before the batch norm that follows it."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.size(0) == 1:
+            raise ValueError("a chunk of one row")
+        return x
+
+
+@across_processes(2)
+def test_replica_failure_before_the_exchange_reaches_every_rank(rank: int, world: int) -> None:
+    # rank 1's chunks are 2 and 1 rows: its second replica fails before the layer; its master
+    # replica, released from the round, tells rank 0 rather than leave it to the timeout
+    model = ThreadedDataParallel(nn.Sequential(FailsOnOneRow(), NN.SyncBatchNorm1d(3)), ["cpu"] * 2)
+    x = torch.randn(4 if rank == 0 else 3, 3)
+    if rank == 1:
+        expect_error_on_every_rank(lambda: model(x), ValueError, "a chunk of one row")
+    else:
+        expect_error_on_every_rank(lambda: model(x), RuntimeError, "rank(s) [1]", "failed before this exchange")
+
+
+@across_processes(4)
+def test_subgroups(rank: int, world: int) -> None:
     group = NN.consecutive_rank_groups(2)
     # ranks 0, 1 and ranks 2, 3 each sync over their own global batch (another split)
     ours = train_against_full_batch(conv_bn_2d, [3, 2] if rank < 2 else [2, 4], (3, 3, 3), group=group)
@@ -332,72 +439,6 @@ def check_subgroups(rank: int, world: int) -> None:
         expect_error_on_every_rank(lambda: layer(torch.randn(4, 3)), RuntimeError, "not a member")
     with pytest.raises(ValueError, match="must divide the world size 4"):
         NN.consecutive_rank_groups(3)
-
-
-CHECKS: dict[int, list[Callable[[int, int], None]]] = {
-    2: [
-        check_2d_uneven_ddp,
-        check_2d_channels_last,
-        check_3d,
-        check_3d_channels_last,
-        check_1d,
-        check_empty_rank,
-        check_one_sample_per_rank_1x1,
-        check_layer_options,
-        check_eval_without_running_stats_is_per_rank,
-        check_ddp_buffer_broadcast,
-        check_global_count_one_raises_on_every_rank,
-        check_collectives_per_step,
-        check_two_level,
-        check_call_count_mismatch,
-        check_backward_order_mismatch,
-        check_dtype_mismatch,
-        check_bad_input_on_one_rank,
-        check_frozen_never_communicates,
-        check_fused_activation,
-    ],
-    3: [check_2d_uneven_ddp, check_3d, check_1d, check_empty_rank, check_collectives_per_step],
-    4: [check_subgroups],
-}
-
-
-def run_checks(rank: int, world: int, names: list[str]) -> dict[str, str | None]:
-    """Run the named checks in order; the traceback of each failed one (None when it passed)."""
-    by_name = {check.__name__: check for check in CHECKS[world]}
-    results: dict[str, str | None] = {}
-    for name in names:
-        try:
-            by_name[name](rank, world)
-            results[name] = None
-        except BaseException:  # noqa: BLE001 - reported by the parent's test
-            results[name] = traceback.format_exc()
-    return results
-
-
-@pytest.fixture(scope="module")
-def outcomes() -> dict[int, list[dict[str, str | None]]]:
-    return {}
-
-
-def _outcome(outcomes: dict, world: int) -> list[dict[str, str | None]]:
-    """The checks of ``world`` ranks, run once; a failure of the process set fails them all."""
-    if world not in outcomes:
-        names = [check.__name__ for check in CHECKS[world]]
-        try:
-            outcomes[world] = run_local_group(run_checks, world, names, timeout_s=30)
-        except Exception as error:  # noqa: BLE001 - re-raised by every test of this world
-            outcomes[world] = error
-    if isinstance(outcomes[world], Exception):
-        raise outcomes[world]
-    return outcomes[world]
-
-
-@pytest.mark.parametrize(
-    "world, name", [(world, check.__name__) for world, checks in CHECKS.items() for check in checks]
-)
-def test_across_processes(outcomes, world: int, name: str) -> None:
-    failures = [f"rank {rank}:\n{result[name]}" for rank, result in enumerate(_outcome(outcomes, world)) if result[name]]
-    assert not failures, "\n".join(failures)
 
 
 def test_process_group_without_torch_distributed_raises() -> None:

@@ -324,3 +324,24 @@ def test_failure_inside_the_layer_backward_releases_the_others(monkeypatch: pyte
     assert time.monotonic() - start < 5
     assert isinstance(results[1], MemoryError)
     assert isinstance(results[0], ReplicaSyncError) and "replica 1 failed: MemoryError" in str(results[0])
+
+
+def test_torch_replicate_still_has_the_loop_variable_that_round_detection_reads() -> None:
+    # torch_replicate_position reads replicate()'s local `j` (the replica index of its loop over
+    # devices); a torch that renamed it would make every round start by membership alone, and
+    # a failed step's surviving replicas could then join the next step's round
+    from torch.nn.parallel.replicate import replicate
+
+    from functions.replicas import torch_replicate_position
+
+    assert "j" in replicate.__code__.co_varnames
+    positions: list = []
+
+    class Probe(nn.Module):
+        def _replicate_for_data_parallel(self):
+            positions.append(torch_replicate_position())
+            return super()._replicate_for_data_parallel()
+
+    stock_replicas(nn.Sequential(Probe(), nn.Linear(2, 2)), 3)
+    assert positions == [0, 1, 2]
+    assert torch_replicate_position() is None  # not called from replicate()
