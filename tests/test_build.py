@@ -144,3 +144,28 @@ def test_a_failing_optional_extension_leaves_the_others_built(tmp_path) -> None:
     assert "failed to build" in note.read_text()
     imported = subprocess.run([sys.executable, "-c", "import pkg.good"], cwd=tmp_path, capture_output=True, text=True)
     assert imported.returncode == 0, imported.stderr
+
+
+@pytest.mark.parametrize(
+    "env, cuda",
+    [
+        ({}, "torch-cuda-ops"),
+        ({"SYNCBN_KERNELS": "reference"}, "reference"),
+        ({"SYNCBN_CUDA_KERNELS": "compiled"}, "compiled-cuda if built"),
+    ],
+)
+def test_backend_info_names_the_cuda_backend_that_the_environment_asks_for(env: dict, cuda: str) -> None:
+    # a fresh interpreter per environment: the backend is chosen once, at import
+    import json
+
+    code = "import json; from functions import backend_info; print(json.dumps(backend_info()))"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SYNCBN_")}
+    done = subprocess.run([sys.executable, "-c", code], env={**base, **env}, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout.strip().splitlines()[-1])
+    if cuda == "compiled-cuda if built":
+        built = importlib.util.find_spec("functions._C_cuda") is not None
+        cuda = "compiled-cuda" if built and "cuda_reason" not in info else "torch-cuda-ops"
+        assert built or "cuda_reason" in info, info  # asked for and missing: it says why
+    assert info["cuda"] == cuda, info
+    assert (info["cpu"] == "reference") == ("SYNCBN_KERNELS" in env), info

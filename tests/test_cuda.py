@@ -22,7 +22,6 @@ from functions import ReplicaSyncError, backend, devices, sync_batch_norm
 from functions import reference as ref
 from functions.ops import affine_act_grads
 import test_kernels as kernel_tests  # its tolerances and inputs (tests/ is on the path: pytest.ini)
-from test_kernels import sum_tolerance, tolerance
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA is not available: these tests need a GPU"
@@ -325,10 +324,3 @@ def test_threaded_replicas_on_one_gpu_backward(cuda_backend, replicas, dtype, mo
     torch.testing.assert_close(x_ours.grad, x_ref.grad, atol=tol["atol"] * 20, rtol=tol["rtol"] * 10)
     torch.testing.assert_close(ours.weight.grad, ref_bn.weight.grad, atol=tol["atol"] * 100, rtol=tol["rtol"] * 10)
     torch.testing.assert_close(ours.bias.grad, ref_bn.bias.grad, atol=tol["atol"] * 100, rtol=tol["rtol"] * 10)
-
-
-def test_backend_info_names_the_cuda_backend() -> None:
-    expected = "compiled-cuda" if backend.COMPILED_CUDA is not None else "torch-cuda-ops"
-    if backend.FORCE_REFERENCE:
-        expected = "reference"
-    assert backend.backend_info()["cuda"] == expected

@@ -1,4 +1,4 @@
-"""functions.devices on CPU tensors (their CUDA behaviour is in tests/test_cuda.py): plain copies."""
+"""functions.devices on the CPU (their CUDA fences are tested in tests/test_cuda.py)."""
 from __future__ import annotations
 
 import torch
@@ -6,10 +6,17 @@ import torch
 from functions import devices
 
 
-def test_cpu_tensors_move_as_plain_copies() -> None:
+def test_a_tensor_already_on_the_device_is_not_copied() -> None:
+    # the master replica's own part is merged as it is: no copy, no event
     x = torch.randn(4, dtype=torch.float64)
     assert devices.mark_ready(x) is None
-    assert devices.fetch(x, "cpu") is x
-    assert devices.fetch(x, torch.device("cpu"), None) is x
-    counts = devices.counts_on([3, 0, 7], "cpu")
-    assert counts.dtype == torch.float64 and counts.tolist() == [3.0, 0.0, 7.0]
+    assert devices.fetch(x, "cpu") is x and devices.fetch(x, torch.device("cpu")) is x
+
+
+def test_counts_stay_exact_beyond_float32() -> None:
+    # a channel of a (4096, C, 224, 224) batch holds 205_520_896 values, past float32's 2**24:
+    # the counts that weight Chan's merge must be exact
+    counts = [205_520_897, 2**24 + 1, 0]
+    on_cpu = devices.counts_on(counts, "cpu")
+    assert on_cpu.dtype == torch.float64 and [int(c) for c in on_cpu.tolist()] == counts
+    assert devices.counts_on(counts, "cpu", torch.float32).tolist() != counts  # why float64 is the default

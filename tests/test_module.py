@@ -28,8 +28,18 @@ def test_public_names() -> None:
     assert NN.BatchNorm3d is NN.SyncBatchNorm3d
     for cls in (NN.SyncBatchNorm, NN.SyncBatchNorm1d, NN.SyncBatchNorm2d, NN.SyncBatchNorm3d):
         assert issubclass(cls, _BatchNorm)
-    params = list(inspect.signature(NN.SyncBatchNorm).parameters)
-    assert params[:9] == ["num_features", "eps", "momentum", "affine", "track_running_stats", "process_group", "timeout", "device", "dtype"]
+
+
+@pytest.mark.parametrize("torch_cls, our_cls", PAIRS)
+def test_positional_arguments_mean_what_they_mean_for_torch(torch_cls, our_cls) -> None:
+    # num_features, eps, momentum, affine, track_running_stats: torch's layers take them in this
+    # order; after them torch's BatchNorm*d and SyncBatchNorm differ, so the rest is by keyword
+    theirs, ours = torch_cls(5, 1e-3, None, False, False), our_cls(5, 1e-3, None, False, False)
+    for name in ("num_features", "eps", "momentum", "affine", "track_running_stats"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert ours.weight is None and ours.running_mean is None
+    group = object()
+    assert NN.SyncBatchNorm(5, 1e-3, 0.2, True, True, group).process_group is group  # as nn.SyncBatchNorm
 
 
 @pytest.mark.parametrize("torch_cls, our_cls", PAIRS)
