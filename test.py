@@ -62,7 +62,7 @@ import sys
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -72,6 +72,7 @@ from functions import backend_info
 from testkit.local_group import run_local_group
 from modules import nn as NN
 from modules.parallel import ThreadedDataParallel
+from testkit.lockstep import train_side_by_side
 
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPES = {"float64": torch.float64, "float32": torch.float32, **HALF_DTYPES}
@@ -324,11 +325,11 @@ def make_input(case: Case, config: Config, step: int) -> Tensor:
     return x
 
 
-def upstream_gradient(output: Tensor, config: Config, step: int, rows: slice = slice(None)) -> Tensor:
-    """dL/dy of the step: random, the same for both models (a fresh generator every call);
-    ``rows`` of it when ``output`` is that slice of the full batch's output."""
+def upstream_gradient(output: Tensor, config: Config, step: int) -> Tensor:
+    """dL/dy of the step for the full batch's ``output``: random, the same for both models (a
+    fresh generator every call)."""
     generator = torch.Generator().manual_seed(config.seed * 1000 + 500 + step)
-    grad = torch.randn((config.batch, *output.shape[1:]), generator=generator, dtype=torch.float64)[rows]
+    grad = torch.randn(output.shape, generator=generator, dtype=torch.float64)
     return grad.to(output.device, output.dtype)
 
 
@@ -337,20 +338,6 @@ def autocast(config: Config) -> AbstractContextManager:
     if config.mixed:
         return torch.autocast(config.device.type, dtype=config.dtype)
     return nullcontext()
-
-
-def train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, config: Config, step: int, rows: slice = slice(None)
-) -> tuple[Tensor, Tensor | None]:
-    """Forward of ``rows`` of the step's batch ``x``, backward of the step's upstream gradient,
-    SGD step; returns (output, input grad)."""
-    x = x[rows].detach().clone().requires_grad_()
-    optimizer.zero_grad(set_to_none=True)
-    with autocast(config):
-        y = model(x)
-    y.backward(upstream_gradient(y, config, step, rows))
-    optimizer.step()
-    return y.detach(), x.grad
 
 
 def realign_parameters(model: nn.Module, reference: nn.Module) -> None:
@@ -367,47 +354,31 @@ def realign_parameters(model: nn.Module, reference: nn.Module) -> None:
             ours.copy_(theirs)
 
 
-def quantities(
-    model: nn.Module, output: Tensor, input_grad: Tensor | None, grad_scale: int = 1
-) -> Iterator[tuple[str, str, Tensor | None]]:
-    """(layer, quantity, tensor): output, input grad, every parameter's grad (times
-    ``grad_scale``) and every buffer."""
-    yield "model", "output", output
-    yield "model", "input grad", input_grad
-    for name, module in model.named_modules():
-        for param_name, param in module.named_parameters(recurse=False):
-            grad = param.grad if param.grad is None or grad_scale == 1 else param.grad * grad_scale
-            yield name, f"{param_name} grad", grad
-        for buffer_name, buffer in module.named_buffers(recurse=False):
-            yield name, buffer_name, buffer
-
-
 def run_case(name: str, case: Case, config: Config, rows: dict[tuple[str, str, str], Row], rank: int = 0) -> None:
-    """Train both models side by side; fold each step's differences into ``rows``.
+    """Train both models side by side (``testkit.lockstep``); fold each step's differences into
+    ``rows``.
 
     Layers are named by the reference's index and type. Under --distributed this runs on every
-    rank, ours on the rank's rows of the batch.
+    rank, ours on the rank's rows of the batch (DDP averages the gradients over the ranks).
     """
     reference, converted = build_pair(case, config)
-    parallel = parallelize(converted, config)
-    world = config.processes  # DDP averages the gradients over the ranks: lr * world keeps step
-    optimizers = [torch.optim.SGD(m.parameters(), lr=config.lr * s) for m, s in ((reference, 1), (converted, world))]
     types = {layer: f"{layer} {type(module).__name__}" for layer, module in reference.named_modules()}
-    mine = rank_rows(config, rank)
-    for step in range(config.steps):
-        x = make_input(case, config, step)
-        ref_y, ref_dx = train_step(reference, optimizers[0], x, config, step)
-        our_y, our_dx = train_step(parallel, optimizers[1], x, config, step, mine)
-        pairs = zip(
-            quantities(reference, ref_y[mine], None if ref_dx is None else ref_dx[mine]),
-            quantities(converted, our_y, our_dx, grad_scale=world),
-        )
-        for (layer, quantity, ref), (our_layer, our_quantity, ours) in pairs:
-            if (our_layer, our_quantity) != (layer, quantity):
-                raise RuntimeError(f"models differ in structure: {layer}.{quantity} vs {our_layer}.{our_quantity}")
-            rows.setdefault((name, types.get(layer, layer), quantity), Row()).update(ours, ref)
-        if config.mixed:
-            realign_parameters(converted, reference)
+    steps = train_side_by_side(
+        reference,
+        converted,
+        lambda step: [make_input(case, config, step)],
+        config.steps,
+        runner=parallelize(converted, config),
+        rows=rank_rows(config, rank),
+        upstream=lambda step, y: upstream_gradient(y, config, step),
+        lr=config.lr,
+        averaged_over=config.processes,
+        context=lambda: autocast(config),
+        after_step=(lambda: realign_parameters(converted, reference)) if config.mixed else None,
+    )
+    for quantities in steps:
+        for q in quantities:
+            rows.setdefault((name, types.get(q.layer, q.layer), q.name), Row()).update(q.ours, q.reference)
 
 
 def kind_of(quantity: str) -> str:

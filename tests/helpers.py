@@ -1,4 +1,5 @@
-"""Shared test helpers: lockstep training of a reference model and its synchronized twin."""
+"""Shared test helpers: models, replicas made as torch makes them, and the lockstep trainer of the
+ThreadedDataParallel tests (on testkit.lockstep)."""
 from __future__ import annotations
 
 import copy
@@ -12,6 +13,7 @@ from torch import Tensor, nn
 
 from modules import nn as NN
 from modules.parallel import ThreadedDataParallel
+from testkit.lockstep import assert_agree, state_quantities, train_side_by_side
 
 
 def randomize_affine(model: nn.Module, seed: int = 0) -> nn.Module:
@@ -26,20 +28,10 @@ def randomize_affine(model: nn.Module, seed: int = 0) -> nn.Module:
     return model
 
 
-def assert_same_state(
-    ref: nn.Module, ours: nn.Module, atol: float | None = None, rtol: float | None = None, what: str = "state"
-) -> None:
+def assert_same_state(ref: nn.Module, ours: nn.Module, atol: float | None = None, rtol: float | None = None) -> None:
     """Parameter grads and buffers (running stats, num_batches_tracked) of the two models agree
     (tolerances None: torch.testing.assert_close's defaults for the dtype)."""
-    for (name, p_ref), (_, p_ours) in zip(ref.named_parameters(), ours.named_parameters()):
-        assert (p_ref.grad is None) == (p_ours.grad is None), f"{what}: grad presence of {name}"
-        if p_ref.grad is not None:
-            torch.testing.assert_close(p_ours.grad, p_ref.grad, atol=atol, rtol=rtol, msg=lambda m: f"{what}: grad of {name}: {m}")
-    ref_buffers = dict(ref.named_buffers())
-    ours_buffers = dict(ours.named_buffers())
-    assert ref_buffers.keys() == ours_buffers.keys()
-    for name, b_ref in ref_buffers.items():
-        torch.testing.assert_close(ours_buffers[name], b_ref, atol=atol, rtol=rtol, msg=lambda m: f"{what}: buffer {name}: {m}")
+    assert_agree(iter([list(state_quantities(0, ref, ours, 1))]), atol, rtol)
 
 
 class BasicBlock(nn.Module):
@@ -95,24 +87,11 @@ def train_in_lockstep(
     ref.train(training)
     ours.train(training)
     runner = ThreadedDataParallel(ours, ["cpu"] * replicas) if replicas > 1 else ours
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.01)
-    opt_ours = torch.optim.SGD(ours.parameters(), lr=0.01)
-    for step in range(steps):
-        x = (torch.randn(*shape, dtype=dtype) * 3 + 1).to(memory_format=memory_format)
-        x_ref = x.clone().requires_grad_()
-        x_ours = x.clone().requires_grad_()
-        y_ref, y_ours = ref(x_ref), runner(x_ours)
-        what = f"step {step}"
-        torch.testing.assert_close(y_ours, y_ref, atol=atol, rtol=rtol, msg=lambda m: f"{what}: output: {m}")
-        probe = torch.randn_like(y_ref)
-        for opt in (opt_ref, opt_ours):
-            opt.zero_grad()
-        (y_ref * probe).sum().backward()
-        (y_ours * probe).sum().backward()
-        torch.testing.assert_close(x_ours.grad, x_ref.grad, atol=atol, rtol=rtol, msg=lambda m: f"{what}: input grad: {m}")
-        assert_same_state(ref, ours, atol, rtol, what)
-        opt_ref.step()
-        opt_ours.step()
+
+    def batch(step: int) -> list[Tensor]:
+        return [(torch.randn(*shape, dtype=dtype) * 3 + 1).to(memory_format=memory_format)]
+
+    assert_agree(train_side_by_side(ref, ours, batch, steps, runner=runner), atol, rtol)
 
 
 def run_threads(jobs: Sequence[Callable[[], object]]) -> list[object]:

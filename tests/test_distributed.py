@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from testkit.collectives import count_collectives
 from testkit.local_group import run_local_group
+from testkit.lockstep import assert_agree, train_side_by_side
 from helpers import randomize_affine
 from modules import nn as NN
 from modules.parallel import ThreadedDataParallel
@@ -108,35 +109,28 @@ def train_against_full_batch(
         for layer in ours.modules():
             if isinstance(layer, NN.SyncBatchNorm):
                 layer.process_group = group
-    if replicas == 1:
+    if replicas == 1:  # DDP averages the gradients over the group
         runner: nn.Module = DistributedDataParallel(ours, process_group=group, forward_sync_buffers=False)
-        grad_scale, lr_scale = world, world  # DDP averages the gradients
-    else:
-        runner, grad_scale, lr_scale = ThreadedDataParallel(ours, ["cpu"] * replicas), 1, 1
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.01)
-    opt_ours = torch.optim.SGD(ours.parameters(), lr=0.01 * lr_scale)
-    mine = rank_slice(sizes, rank)
-    for step in range(steps):
-        x = global_batch(step, sizes, sample, memory_format)
-        x_ref, x_ours = x.clone().requires_grad_(), x[mine].clone().requires_grad_()
-        y_ref, y_ours = ref(x_ref), runner(x_ours)
-        what = f"rank {rank} step {step}"
-        torch.testing.assert_close(y_ours, y_ref[mine], **TOL, msg=lambda m: f"{what}: output: {m}")
-        probe = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
-        opt_ref.zero_grad()
-        opt_ours.zero_grad()
-        (y_ref * probe).sum().backward()
-        (y_ours * probe[mine]).sum().backward()
-        if replicas > 1:
+        averaged_over, sum_grads = world, None
+    else:  # ThreadedDataParallel in each process: the parameter gradients summed by hand
+
+        def sum_grads() -> None:
             for p in ours.parameters():
                 dist.all_reduce(p.grad, group=group)
-        torch.testing.assert_close(x_ours.grad, x_ref.grad[mine], **TOL, msg=lambda m: f"{what}: input grad: {m}")
-        for (name, p_ref), p_ours in zip(ref.named_parameters(), ours.parameters()):
-            torch.testing.assert_close(p_ours.grad * grad_scale, p_ref.grad, **TOL, msg=lambda m: f"{what}: grad {name}: {m}")
-        for (name, b_ref), b_ours in zip(ref.named_buffers(), ours.buffers()):
-            torch.testing.assert_close(b_ours, b_ref, **TOL, msg=lambda m: f"{what}: buffer {name}: {m}")
-        opt_ref.step()
-        opt_ours.step()
+
+        runner, averaged_over = ThreadedDataParallel(ours, ["cpu"] * replicas), 1
+
+    def batch(step: int) -> list[Tensor]:
+        return [global_batch(step, sizes, sample, memory_format)]
+
+    def upstream(step: int, y: Tensor) -> Tensor:
+        return torch.randn(y.shape, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+
+    steps_run = train_side_by_side(
+        ref, ours, batch, steps, runner=runner, rows=rank_slice(sizes, rank), upstream=upstream,
+        averaged_over=averaged_over, after_backward=sum_grads,
+    )
+    assert_agree(steps_run, **TOL)
     assert_identical_on_all_ranks(ours, group)
     return ours
 

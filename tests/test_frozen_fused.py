@@ -10,14 +10,15 @@ import unittest.mock
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.nn import functional as F
 
 from functions import frozen_batch_norm, serves_single_device
 from functions.replicas import ReplicaRound
-from helpers import assert_same_state, randomize_affine
+from helpers import randomize_affine
 from modules import nn as NN
 from modules.parallel import ThreadedDataParallel
+from testkit.lockstep import assert_agree, train_side_by_side
 
 TOL = dict(atol=1e-9, rtol=1e-9)
 TORCH_BN = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
@@ -56,37 +57,20 @@ def make_pair(rank: int, C: int, activation, negative_slope=0.01, frozen=False, 
 
 def train_pair(ref, ours, shape, residual: bool, replicas=1, steps=3, ref_training=True, ours_training=True,
                memory_format=torch.contiguous_format) -> None:
+    """``ref`` (an :class:`Unfused`) and our layer side by side; with ``residual``, both take
+    ``(x, z)`` and z's gradient is compared too. Our output keeps the input's layout."""
     ref.train(ref_training)
     ours.train(ours_training)
     runner = ThreadedDataParallel(ours, ["cpu"] * replicas) if replicas > 1 else ours
-    params_ref = list(ref.parameters())
-    params_ours = list(ours.parameters())
-    opt_ref = torch.optim.SGD(params_ref, lr=0.05) if params_ref else None
-    opt_ours = torch.optim.SGD(params_ours, lr=0.05) if params_ours else None
-    for step in range(steps):
+
+    def batch(step: int) -> list[Tensor]:
         x = (torch.randn(*shape, dtype=torch.float64) * 2 + 0.5).contiguous(memory_format=memory_format)
-        z = torch.randn(*shape, dtype=torch.float64) if residual else None
-        x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
-        z_ref = z.clone().requires_grad_() if residual else None
-        z_ours = z.clone().requires_grad_() if residual else None
-        y_ref = ref(x_ref, z_ref)
-        y_ours = runner(x_ours, z_ours) if residual else runner(x_ours)
-        what = f"step {step}"
-        assert y_ours.shape == y_ref.shape and y_ours.stride() == x.stride(), what
-        torch.testing.assert_close(y_ours, y_ref, **TOL, msg=lambda m: f"{what}: output: {m}")
-        probe = torch.randn_like(y_ref)
-        for opt in (opt_ref, opt_ours):
-            if opt is not None:
-                opt.zero_grad()
-        (y_ref * probe).sum().backward()
-        (y_ours * probe).sum().backward()
-        torch.testing.assert_close(x_ours.grad, x_ref.grad, **TOL, msg=lambda m: f"{what}: input grad: {m}")
-        if residual:
-            torch.testing.assert_close(z_ours.grad, z_ref.grad, **TOL, msg=lambda m: f"{what}: residual grad: {m}")
-        assert_same_state(ref.bn, ours, TOL["atol"], TOL["rtol"], what)
-        for opt in (opt_ref, opt_ours):
-            if opt is not None:
-                opt.step()
+        return [x, torch.randn(*shape, dtype=torch.float64)] if residual else [x]
+
+    strides = torch.empty(shape).contiguous(memory_format=memory_format).stride()
+    for quantities in train_side_by_side(ref, ours, batch, steps, runner=runner, lr=0.05, reference_state=ref.bn):
+        assert quantities[0].name == "output" and quantities[0].ours.stride() == strides
+        assert_agree(iter([quantities]), **TOL)
 
 
 ACTIVATIONS = [(None, 0.01), ("relu", 0.01), ("leaky_relu", 0.2)]
@@ -283,25 +267,10 @@ class Untraceable(nn.Module):
 
 
 def assert_same_training(ref: nn.Module, ours: nn.Module, shape, steps: int = 3) -> None:
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
-    opt_ours = torch.optim.SGD(ours.parameters(), lr=0.05)
-    for step in range(steps):
-        x = torch.randn(*shape, dtype=torch.float64)
-        x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
-        y_ref, y_ours = ref(x_ref), ours(x_ours)
-        torch.testing.assert_close(y_ours, y_ref, **TOL)
-        probe = torch.randn_like(y_ref)
-        opt_ref.zero_grad()
-        opt_ours.zero_grad()
-        (y_ref * probe).sum().backward()
-        (y_ours * probe).sum().backward()
-        torch.testing.assert_close(x_ours.grad, x_ref.grad, **TOL)
-        for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
-            torch.testing.assert_close(q.grad, p.grad, **TOL, msg=lambda m: f"step {step} {name}: {m}")
-        for (name, b), c in zip(ref.named_buffers(), ours.buffers()):
-            torch.testing.assert_close(c, b, **TOL, msg=lambda m: f"step {step} {name}: {m}")
-        opt_ref.step()
-        opt_ours.step()
+    def batch(step: int) -> list[Tensor]:
+        return [torch.randn(*shape, dtype=torch.float64)]
+
+    assert_agree(train_side_by_side(ref, ours, batch, steps, lr=0.05), **TOL)
 
 
 def fused_layers(model: nn.Module) -> list[tuple[str, str | None]]:

@@ -16,6 +16,7 @@ from functions import backend_name, lone_replica, serves_single_device
 from functions.lone_replica import CHOICES, LoneCase, layout_of, takes_our_kernels
 from helpers import SmallResNet, assert_same_state, randomize_affine
 from modules import nn as NN
+from testkit.lockstep import assert_agree, train_side_by_side
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPILED = serves_single_device(torch.device("cpu"))
@@ -98,13 +99,12 @@ def test_every_route_trains_a_resnet_as_torch(route: str, channels_last: bool) -
     ours = NN.fuse_bn_act(NN.convert_sync_batchnorm(randomize_affine(SmallResNet()).double()))
     ours.load_state_dict(ref.state_dict())
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
+
+    def batch(step: int) -> list[torch.Tensor]:
+        return [torch.randn(6, 3, 8, 8, dtype=torch.float64).contiguous(memory_format=memory_format)]
+
     with lone_replica.forced(route):
-        for step in range(3):
-            x = torch.randn(6, 3, 8, 8, dtype=torch.float64).contiguous(memory_format=memory_format)
-            for model in (ref, ours):
-                model.zero_grad()
-                model(x).square().sum().backward()
-            assert_same_state(ref, ours, atol=1e-10, rtol=1e-10, what=f"{route} step {step}")
+        assert_agree(train_side_by_side(ref, ours, batch, 3), atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize("route", ["ours", "torch"])
