@@ -139,13 +139,17 @@ def step_functions(case: Case, buffers: Rotating) -> dict[str, Callable[[], obje
     def frozen():
         x, dy, _ = buffers.next()
         ops.elemt_forward(x, frozen_mean, frozen_invstd, weight, bias)
-        ops.backward_affine_act(dy, x, frozen_mean, frozen_invstd, weight, bias, None, None, True, False, True)
+        ops.backward_affine_act(
+            dy, x, frozen_mean, frozen_invstd, weight, bias, None, None, input_grad=True, residual_grad=False, sums=True
+        )
 
     def fused():
         x, dy, z = buffers.next()
         n, mean, invstd = stats(x)
         ops.elemt_forward(x, mean, invstd, weight, bias, z, 0.0)
-        _, g, sum_g, sum_g_xmu = ops.backward_affine_act(dy, x, mean, invstd, weight, bias, z, 0.0, False, True, True)
+        _, g, sum_g, sum_g_xmu = ops.backward_affine_act(
+            dy, x, mean, invstd, weight, bias, z, 0.0, input_grad=False, residual_grad=True, sums=True
+        )
         ops.backward_elemt(g, x, mean, invstd, weight, sum_g, sum_g_xmu, n)
 
     functions.update({"ours": ours, "ours frozen": frozen, "ours fused": fused})

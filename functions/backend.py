@@ -55,7 +55,7 @@ def _torch_cuda_backward_reduce(dy, x, mean):
     # invstd only scales grad_weight, which is not asked for here.
     ones = torch.ones_like(mean)
     sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(
-        dy, x, mean, ones, None, True, False, False
+        dy, x, mean, ones, None, input_g=True, weight_g=False, bias_g=False
     )
     return sum_dy, sum_dy_xmu
 

@@ -111,7 +111,8 @@ class SyncBatchNormFunction(Function):
             sum_dy, sum_dy_xmu = torch.ops.syncbn.backward_reduce(dy, x, mean)
         else:  # dy through the activation, and its sums, in one pass
             _, dy, sum_dy, sum_dy_xmu = torch.ops.syncbn.backward_affine_act(
-                dy, x, mean, invstd, weight, bias, residual, ctx.negative_slope, False, True, True
+                dy, x, mean, invstd, weight, bias, residual, ctx.negative_slope,
+                input_grad=False, residual_grad=True, sums=True,
             )
         wants_input, wants_weight, wants_bias = ctx.needs_input_grad[:3]
         grad_input = grad_weight = grad_bias = grad_residual = None

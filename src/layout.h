@@ -12,12 +12,12 @@ namespace syncbn {
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // x seen as one of two layouts (both dense in memory):
-//  planar:      (N, C, S): each (n, c) is a run of S values (NCHW, NCDHW, (N, C, L));
-//  interleaved: (M, C):    each row holds one value of every channel (channels_last 2d/3d,
+//  contiguous:    (N, C, S): each (n, c) is a run of S values (NCHW, NCDHW, (N, C, L));
+//  channels_last: (M, C):    each row holds one value of every channel (channels_last 2d/3d,
 //               (N, C), and anything with S == 1), M = N * S.
 struct Layout {
   int64_t N, C, S;
-  bool interleaved;
+  bool channels_last;
   int64_t rows() const { return N * S; }  // values per channel
   int64_t numel() const { return N * C * S; }
 };
@@ -27,13 +27,13 @@ inline std::pair<at::Tensor, Layout> as_layout(const at::Tensor& x) {
   TORCH_CHECK(x.dim() >= 2, "syncbn: expected an input of rank >= 2, got ", x.dim());
   int64_t S = 1;
   for (int64_t d = 2; d < x.dim(); ++d) S *= x.size(d);
-  const Layout planar{x.size(0), x.size(1), S, false}, interleaved{x.size(0), x.size(1), S, true};
-  if (S == 1) return {x.contiguous(), interleaved};
-  if (x.is_contiguous()) return {x, planar};
-  const bool channels_last = (x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast)) ||
-                             (x.dim() == 5 && x.is_contiguous(at::MemoryFormat::ChannelsLast3d));
-  if (channels_last) return {x, interleaved};
-  return {x.contiguous(), planar};
+  const Layout contiguous{x.size(0), x.size(1), S, false}, channels_last{x.size(0), x.size(1), S, true};
+  if (S == 1) return {x.contiguous(), channels_last};
+  if (x.is_contiguous()) return {x, contiguous};
+  const bool is_channels_last = (x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast)) ||
+                                (x.dim() == 5 && x.is_contiguous(at::MemoryFormat::ChannelsLast3d));
+  if (is_channels_last) return {x, channels_last};
+  return {x.contiguous(), contiguous};
 }
 
 // `other` (dy, residual) with exactly x's strides, copied once where it has others.

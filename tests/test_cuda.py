@@ -35,18 +35,18 @@ needs_ops = pytest.mark.skipif(
 DEVICE = "cuda"
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
-# (shape, memory format): what each one exercises in the kernels (see src/cuda/common.cuh)
+# (shape, memory format): what each one exercises in the kernels (see src/cuda/elementwise.cuh and reduction.cuh)
 LAYOUTS = [
-    ((4, 3, 5, 7), torch.contiguous_format),  # planar, S odd: scalar accesses
-    ((4, 3, 5, 7), torch.channels_last),  # interleaved, C = 3 odd: scalar, TX = 3
-    ((8, 1, 16, 16), torch.contiguous_format),  # C = 1, planar packs
+    ((4, 3, 5, 7), torch.contiguous_format),  # contiguous, S odd: scalar accesses
+    ((4, 3, 5, 7), torch.channels_last),  # channels_last, C = 3 odd: scalar, TX = 3
+    ((8, 1, 16, 16), torch.contiguous_format),  # C = 1, contiguous packs
     ((2, 1, 1000), torch.contiguous_format),  # C = 1, rank 3
     ((1000, 1), torch.contiguous_format),  # (N, C) with C = 1
     ((5, 65), torch.contiguous_format),  # rank 2, C = 65
     ((3, 65, 4, 4), torch.channels_last),  # odd C, channels_last
     ((3, 64, 4, 4), torch.channels_last),  # channels_last packs
     ((2, 520, 3, 3), torch.channels_last),  # more than 64 packs of channels: several tiles
-    ((6, 16, 1, 1), torch.contiguous_format),  # S = 1: interleaved
+    ((6, 16, 1, 1), torch.contiguous_format),  # S = 1: channels_last layout
     ((1, 5, 1, 1), torch.contiguous_format),  # one value per channel
     ((0, 4, 3, 3), torch.contiguous_format),  # empty batch
     ((0, 4, 3, 3), torch.channels_last),
@@ -56,7 +56,7 @@ LAYOUTS = [
     ((3, 17, 33), torch.contiguous_format),
     ((32, 96, 7, 7), torch.contiguous_format),  # small spatial size, many channels
     ((64, 4, 64, 64), torch.contiguous_format),  # large N*HW, few channels: two stages
-    ((16, 8, 96, 96), torch.channels_last),  # many rows: two stages, interleaved
+    ((16, 8, 96, 96), torch.channels_last),  # many rows: two stages, channels_last
     ((2, 2, 600_000), torch.contiguous_format),  # splits forced by the float32 bound
 ]
 LAYOUT_IDS = [f"{tuple(s)}-{str(f).replace('torch.', '')}" for s, f in LAYOUTS]
@@ -125,7 +125,9 @@ def test_backward_takes_the_forwards_side_of_the_activation(dtype, memory_format
     residual = -ref.elemt_forward(x, mean, invstd, weight, bias) * (1 + 1e-7)
     residual = residual.contiguous(memory_format=memory_format)
     y = OPS.elemt_forward(x, mean, invstd, weight, bias, residual, 0.0)
-    _, g, _, _ = OPS.backward_affine_act(torch.ones_like(x), x, mean, invstd, weight, bias, residual, 0.0, False, True, False)
+    _, g, _, _ = OPS.backward_affine_act(
+        torch.ones_like(x), x, mean, invstd, weight, bias, residual, 0.0, input_grad=False, residual_grad=True, sums=False
+    )
     assert torch.equal(g == 1, y > 0)
 
 

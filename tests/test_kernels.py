@@ -22,16 +22,16 @@ COMPILED = backend.COMPILED
 OPS = torch.ops.syncbn  # the compiled kernels on CPU tensors, where they are loaded
 needs_compiled = pytest.mark.skipif(COMPILED is None, reason="compiled kernels not built or SYNCBN_KERNELS=reference")
 
-# (shape, memory format): planar, interleaved and the odd ones
+# (shape, memory format): the contiguous and channels_last kernel layouts, and the odd ones
 LAYOUTS = [
     ((4, 3, 5, 7), torch.contiguous_format),
     ((4, 3, 5, 7), torch.channels_last),
-    ((5, 65), torch.contiguous_format),  # rank 2: interleaved, C not a multiple of any width
+    ((5, 65), torch.contiguous_format),  # rank 2: channels_last layout, C not a multiple of any width
     ((3, 65, 2, 3), torch.channels_last),
     ((2, 1, 1000), torch.contiguous_format),  # C = 1
     ((1000, 1), torch.contiguous_format),
     ((1, 5, 1, 1), torch.contiguous_format),  # one value per channel
-    ((6, 16, 1, 1), torch.contiguous_format),  # planar with S = 1 is interleaved
+    ((6, 16, 1, 1), torch.contiguous_format),  # NCHW with S = 1 takes the channels_last layout
     ((0, 4, 3, 3), torch.contiguous_format),  # empty local batch
     ((0, 4, 3, 3), torch.channels_last),
     ((2, 3, 4, 5, 6), torch.channels_last_3d),

@@ -2,7 +2,10 @@
 // dx = (dy - mean_dy - (x - mean) * xmu_coef) * scale, each one pass over memory with its
 // per-channel coefficients computed once (in double, then rounded to the accumulation type).
 #include "batch_norm_cpu.h"
-#include "loops.h"
+#include "activation.h"
+#include "per_channel.h"
+#include "pieces.h"
+#include "vectors.h"
 
 namespace syncbn::cpu {
 namespace {
@@ -37,7 +40,7 @@ void map_per_channel(const Layout& l, const std::array<const scalar_t*, kIn>& in
     if (i < length) apply(std::false_type{}, offset + i, length - i, p);
   };
 
-  if (l.interleaved) {
+  if (l.channels_last) {
     const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(l.C, 1));
     at::parallel_for(0, l.rows(), grain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {

@@ -8,7 +8,10 @@
 // on values shifted by a pivot (the channel's first value), so that a float32 running mean
 // carries the data's spread, not its offset: mean 1e4 and std 1 keeps the variance to ~1e-7.
 #include "batch_norm_cpu.h"
-#include "loops.h"
+#include "activation.h"
+#include "per_channel.h"
+#include "pieces.h"
+#include "vectors.h"
 
 #include <cmath>
 
@@ -19,13 +22,13 @@ namespace {
 // vector have seen the same number of values. Values left over by whole vectors go to a
 // single float vector where a whole one is left (bfloat16, float16), then to a double Welford.
 template <typename scalar_t>
-class LaneWelford {
+class ContiguousWelford {
   using A = AccVec<scalar_t>;
   using acc_t = typename A::acc_t;
   using Vec = typename A::Vec;
 
  public:
-  LaneWelford(const scalar_t* x, acc_t pivot) : x_(x), pivot_(pivot), pivot_vec_(pivot) {
+  ContiguousWelford(const scalar_t* x, acc_t pivot) : x_(x), pivot_(pivot), pivot_vec_(pivot) {
     mean_.fill(Vec(0));
     m2_.fill(Vec(0));
   }
@@ -100,16 +103,16 @@ class LaneWelford {
   Moments tail_;
 };
 
-// Welford over rows of an interleaved layout: one running (mean, M2) per channel, all
+// Welford over rows of a channels_last layout: one running (mean, M2) per channel, all
 // channels having seen the same rows. Arrays are padded to whole vectors.
 template <typename scalar_t>
-class RowWelford {
+class ChannelsLastWelford {
   using A = AccVec<scalar_t>;
   using acc_t = typename A::acc_t;
   using Vec = typename A::Vec;
 
  public:
-  RowWelford(int64_t C, const acc_t* pivot)
+  ChannelsLastWelford(int64_t C, const acc_t* pivot)
       : C_(C), pivot_(pivot), mean_(padded_params<acc_t>(C, A::kWidth)), m2_(mean_) {}
 
   void add_row(const scalar_t* row) {
@@ -207,15 +210,15 @@ struct GradStep {
   }
 };
 
-// Planar layout: a backward pass over one channel's runs, sums per vector lane.
+// Contiguous layout: a backward pass over one channel's runs, sums per vector lane.
 template <typename scalar_t, bool kResidual, bool kActivation>
-class LaneGradPass {
+class ContiguousGradPass {
   using A = AccVec<scalar_t>;
   using acc_t = typename A::acc_t;
   using Vec = typename A::Vec;
 
  public:
-  LaneGradPass(const GradPassData<scalar_t>& d, acc_t mean, acc_t scale, acc_t shift, acc_t slope)
+  ContiguousGradPass(const GradPassData<scalar_t>& d, acc_t mean, acc_t scale, acc_t shift, acc_t slope)
       : d_(d),
         mean_(A::broadcast(mean)),
         scale_(A::broadcast(scale)),
@@ -252,16 +255,16 @@ class LaneGradPass {
   typename A::Pack sum_g_, sum_g_xmu_;
 };
 
-// Interleaved layout: a backward pass over rows, sums per channel. The per-channel arrays
+// Channels-last layout: a backward pass over rows, sums per channel. The per-channel arrays
 // are padded to whole vectors.
 template <typename scalar_t, bool kResidual, bool kActivation>
-class RowGradPass {
+class ChannelsLastGradPass {
   using A = AccVec<scalar_t>;
   using acc_t = typename A::acc_t;
   using Vec = typename A::Vec;
 
  public:
-  RowGradPass(const GradPassData<scalar_t>& d, int64_t C, const acc_t* mean, const acc_t* scale, const acc_t* shift,
+  ChannelsLastGradPass(const GradPassData<scalar_t>& d, int64_t C, const acc_t* mean, const acc_t* scale, const acc_t* shift,
               acc_t slope)
       : d_(d),
         C_(C),
@@ -318,10 +321,10 @@ class RowGradPass {
   std::vector<acc_t> sum_g_, sum_g_xmu_;
 };
 
-// Planar layout: each channel's values cut into pieces, each piece reduced by a fresh
+// Contiguous layout: each channel's values cut into pieces, each piece reduced by a fresh
 // accumulator make(c) fed run by run; returns the per-channel merge of the pieces.
 template <typename Result, typename MakeAcc>
-std::vector<Result> reduce_planar(const Layout& l, int64_t lanes, const MakeAcc& make) {
+std::vector<Result> reduce_contiguous(const Layout& l, int64_t lanes, const MakeAcc& make) {
   const auto pieces = Pieces::of(l.rows(), lanes * kMaxLaneUpdates,
                                  ceil_div(4 * at::get_num_threads(), std::max<int64_t>(l.C, 1)));
   std::vector<Result> parts(l.C * pieces.count);
@@ -342,11 +345,11 @@ std::vector<Result> reduce_planar(const Layout& l, int64_t lanes, const MakeAcc&
   return out;
 }
 
-// Interleaved layout: rows cut into pieces, each reduced by a fresh per-row accumulator
+// Channels-last layout: rows cut into pieces, each reduced by a fresh per-row accumulator
 // make() fed the piece's rows (feed(acc, offset of the first, count)); returns the
 // per-channel merge of the pieces.
 template <typename Result, typename MakeAcc, typename Feed>
-std::vector<Result> reduce_interleaved(const Layout& l, const MakeAcc& make, const Feed& feed) {
+std::vector<Result> reduce_channels_last(const Layout& l, const MakeAcc& make, const Feed& feed) {
   const int64_t threads = at::get_num_threads();
   auto pieces = Pieces::of(l.rows(), kMaxLaneUpdates, threads);
   pieces = Pieces::of(l.rows(), pieces.length, ceil_div(pieces.count, threads) * threads);
@@ -371,7 +374,7 @@ std::vector<Result> reduce_interleaved(const Layout& l, const MakeAcc& make, con
 template <typename scalar_t>
 double plain_sum(const scalar_t* x, const Layout& l, int64_t c) {
   double sum = 0;
-  if (l.interleaved) {
+  if (l.channels_last) {
     for (int64_t r = 0; r < l.rows(); ++r) sum += double(x[r * l.C + c]);
   } else {
     for_each_run(l, c, 0, l.rows(), [&](int64_t offset, int64_t length) {
@@ -389,18 +392,18 @@ void local_stats_kernel(const at::Tensor& x, const Layout& l, double* mean_out, 
   // the first row's values: offsets of a finite pivot, 0 where the first value is not finite
   auto pivot = padded_params<acc_t>(l.C, A::kWidth);
   for (int64_t c = 0; c < l.C; ++c) {
-    const acc_t first = acc_t(data[l.interleaved ? c : c * l.S]);
+    const acc_t first = acc_t(data[l.channels_last ? c : c * l.S]);
     pivot[c] = std::isfinite(double(first)) ? first : acc_t(0);
   }
   std::vector<Moments> moments;
-  if (l.interleaved) {
-    moments = reduce_interleaved<Moments>(
-        l, [&] { return RowWelford<scalar_t>(l.C, pivot.data()); },
-        [&](RowWelford<scalar_t>& acc, int64_t offset, int64_t count) {
+  if (l.channels_last) {
+    moments = reduce_channels_last<Moments>(
+        l, [&] { return ChannelsLastWelford<scalar_t>(l.C, pivot.data()); },
+        [&](ChannelsLastWelford<scalar_t>& acc, int64_t offset, int64_t count) {
           for (int64_t r = 0; r < count; ++r) acc.add_row(data + offset + r * l.C);
         });
   } else {
-    moments = reduce_planar<Moments>(l, A::kWidth, [&](int64_t c) { return LaneWelford<scalar_t>(data, pivot[c]); });
+    moments = reduce_contiguous<Moments>(l, A::kWidth, [&](int64_t c) { return ContiguousWelford<scalar_t>(data, pivot[c]); });
   }
   for (int64_t c = 0; c < l.C; ++c) {
     mean_out[c] = double(pivot[c]) + moments[c].mean;
@@ -424,16 +427,16 @@ std::vector<GradSums> grad_pass(const Layout& l, const GradPassData<scalar_t>& d
   const auto scale = padded_params<acc_t>(k.scale, A::kWidth);
   const auto shift = padded_params<acc_t>(k.shift, A::kWidth);
   const auto slope = static_cast<acc_t>(k.slope);
-  if (l.interleaved) {
-    using Acc = RowGradPass<scalar_t, kResidual, kActivation>;
-    return reduce_interleaved<GradSums>(
+  if (l.channels_last) {
+    using Acc = ChannelsLastGradPass<scalar_t, kResidual, kActivation>;
+    return reduce_channels_last<GradSums>(
         l, [&] { return Acc(d, l.C, mean.data(), scale.data(), shift.data(), slope); },
         [&](Acc& acc, int64_t offset, int64_t count) { acc.add_rows(offset, count); });
   }
   // a run shorter than a vector still takes one update of each lane
   const int64_t lanes = std::max<int64_t>(1, l.S / ceil_div(l.S, A::kWidth));
-  return reduce_planar<GradSums>(l, lanes, [&](int64_t c) {
-    return LaneGradPass<scalar_t, kResidual, kActivation>(d, mean[c], scale[c], shift[c], slope);
+  return reduce_contiguous<GradSums>(l, lanes, [&](int64_t c) {
+    return ContiguousGradPass<scalar_t, kResidual, kActivation>(d, mean[c], scale[c], shift[c], slope);
   });
 }
 

@@ -1,8 +1,9 @@
 // Per-channel elementwise passes on CUDA: the forward y = act(x * scale + shift + residual) and
 // the backward dx = (dy - mean_dy - (x - mean) * xmu_coef) * scale, each one pass over memory
-// with its per-channel coefficients computed once per call on the device (common.cuh).
+// with its per-channel coefficients computed once per call on the device (operands.cuh).
 #include "batch_norm_cuda.h"
-#include "common.cuh"
+#include "elementwise.cuh"
+#include "operands.cuh"
 
 namespace syncbn::cuda {
 namespace {

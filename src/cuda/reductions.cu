@@ -4,11 +4,14 @@
 //
 // Values accumulate per thread in the accumulation type (float for float32, bfloat16 and
 // float16, folded into double every kFoldUpdates values; double for float64); warps merge with
-// shuffles, blocks through shared memory, and splits, all in float64 (common.cuh).
+// shuffles, blocks through shared memory, and splits, all in float64 (accumulators.cuh, reduction.cuh).
 // Welford runs on values shifted by a pivot (the channel's first value, 0 where that is not
 // finite), so a float32 running mean carries the data's spread, not its offset.
 #include "batch_norm_cuda.h"
-#include "common.cuh"
+#include "accumulators.cuh"
+#include "elementwise.cuh"
+#include "operands.cuh"
+#include "reduction.cuh"
 
 #include <limits>
 
@@ -23,7 +26,7 @@ struct StatsOp {
   using State = acc_t;  // the pivot
 
   const scalar_t* x;
-  int64_t first_stride;  // x[c * first_stride] is channel c's first value: S planar, 1 interleaved
+  int64_t first_stride;  // x[c * first_stride] is channel c's first value: S contiguous, 1 channels_last
   double* mean;
   double* m2;
 
@@ -83,8 +86,8 @@ struct GradSumsOp {
   }
 
   __device__ __forceinline__ void finish(int64_t c, const Partial& t) const {
-    sum_dy[c] = acc_t(t.a);
-    sum_dy_xmu[c] = acc_t(t.b);
+    sum_dy[c] = acc_t(t.sum_g);
+    sum_dy_xmu[c] = acc_t(t.sum_g_xmu);
   }
 };
 
@@ -148,8 +151,8 @@ struct AffineActOp {
   }
 
   __device__ __forceinline__ void finish(int64_t c, const Partial& t) const {
-    sum_g[c] = acc_t(t.a);
-    sum_g_xmu[c] = acc_t(t.b);
+    sum_g[c] = acc_t(t.sum_g);
+    sum_g_xmu[c] = acc_t(t.sum_g_xmu);
   }
 };
 
@@ -164,7 +167,7 @@ std::tuple<at::Tensor, at::Tensor> local_stats(const at::Tensor& input) {
   auto mean = at::empty({l.C}, options), m2 = at::empty({l.C}, options);
   const auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_cuda_local_stats", [&] {
-    const StatsOp<scalar_t> op{x.const_data_ptr<scalar_t>(), l.interleaved ? 1 : l.S, mean.data_ptr<double>(),
+    const StatsOp<scalar_t> op{x.const_data_ptr<scalar_t>(), l.channels_last ? 1 : l.S, mean.data_ptr<double>(),
                                m2.data_ptr<double>()};
     launch_reduction<scalar_t>(op, l, can_vectorize(l, kVec<scalar_t>, {op.x}), options, stream);
   });

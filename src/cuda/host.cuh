@@ -1,0 +1,94 @@
+// Host side of the CUDA kernels: argument checks and launch shapes (the layouts are in
+// src/layout.h).
+//
+// Headers: only c10/cuda (stream, guard, launch check) and ATen core; ATen/cuda/CUDAContext.h
+// pulls in cuBLAS/cuSPARSE headers, which a bare toolkit (the CI compile check) may not have.
+// c10::cuda::getCurrentCUDAStream is the function at::cuda::getCurrentCUDAStream names.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <type_traits>
+#include <numeric>
+#include <optional>
+#include <tuple>
+#include <utility>
+
+#include "layout.h"
+
+namespace syncbn::cuda {
+
+// Host: argument checks, launch shapes (the layouts are in src/layout.h)
+
+inline void check_input(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.is_cuda(), "syncbn.cuda.", op, ": expected a CUDA tensor, got one on ", x.device());
+  TORCH_CHECK(x.dim() >= 2, "syncbn.cuda.", op, ": expected an input of rank >= 2, got ", x.dim());
+  const auto t = x.scalar_type();
+  TORCH_CHECK(t == at::kDouble || t == at::kFloat || t == at::kHalf || t == at::kBFloat16, "syncbn.cuda.", op,
+              ": expected a float64, float32, float16 or bfloat16 input, got ", t);
+}
+
+inline void check_same_dtype(const at::Tensor& grad, const at::Tensor& x, const char* op) {
+  TORCH_CHECK(grad.scalar_type() == x.scalar_type(), "syncbn.cuda.", op, ": grad_output is ", grad.scalar_type(),
+              " but the input is ", x.scalar_type());
+}
+
+// A (C,) tensor as a contiguous tensor of dtype `acc` on x's device (a no-op when it is one).
+inline at::Tensor per_channel(const at::Tensor& v, const at::Tensor& x, int64_t C, at::ScalarType acc,
+                              const char* what) {
+  TORCH_CHECK(v.numel() == C, "syncbn.cuda: ", what, " has ", v.numel(), " values for ", C, " channels");
+  TORCH_CHECK(v.device() == x.device(), "syncbn.cuda: ", what, " is on ", v.device(), " but the input is on ",
+              x.device());
+  return v.reshape({C}).to(acc).contiguous();
+}
+
+inline at::ScalarType accumulation_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// Values per 16-byte pack.
+template <typename scalar_t>
+constexpr int kVec = 16 / int(sizeof(scalar_t));
+
+// Packs of V values may be used when V divides the run along which they are read (S contiguous,
+// C channels_last) and every pointer is 16-byte aligned; else every access is scalar.
+inline bool can_vectorize(const Layout& l, int V, std::initializer_list<const void*> pointers) {
+  if ((l.channels_last ? l.C : l.S) % V != 0) return false;
+  for (const void* p : pointers) {
+    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  }
+  return true;
+}
+
+constexpr int kThreads = 256;              // threads per block, 1-D launches
+constexpr int kTileThreads = 512;          // threads per block, channels_last reductions (TX * TY)
+constexpr int kMaxTileChannels = 64;       // packs of channels per channels_last tile (TX)
+constexpr int64_t kMaxItemsPerThread = 64; // packs a thread takes at most in one split
+constexpr int64_t kMinItemsPerThread = 4;  // below this, another split costs more than it saves
+constexpr int kBlocksPerSM = 4;            // blocks wanted per multiprocessor
+
+inline int multiprocessors() {
+  int device = 0, count = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
+}
+
+// Blocks along the reduced dimension, given `items` packs per channel (group), `threads` of a
+// block along it, and `blocks` already launched across channels: enough to fill the device,
+// no fewer than kMaxItemsPerThread packs per thread allow, no more than useful.
+inline int64_t splits_for(int64_t items, int64_t threads, int64_t blocks, int sms) {
+  const int64_t needed = ceil_div(items, threads * kMaxItemsPerThread);
+  const int64_t wanted = ceil_div(int64_t(kBlocksPerSM) * sms, blocks);
+  const int64_t useful = ceil_div(items, threads * kMinItemsPerThread);
+  return std::clamp<int64_t>(std::max(needed, std::min(wanted, useful)), 1, 65535);
+}
+
+}  // namespace syncbn::cuda

@@ -1,0 +1,140 @@
+// The reduction launch framework: per-channel accumulators, one block per channel (contiguous)
+// or per tile of channels (channels_last), with up to 65535 blocks ("splits") more along the
+// reduced dimension; with more than one split, blocks write float64 partials and a second kernel
+// merges them, one warp per channel, in a fixed order (deterministic).
+#pragma once
+
+#include "accumulators.cuh"
+
+namespace syncbn::cuda {
+
+// Reduction framework. Op provides Acc (a thread's accumulator, ThreadAcc), Partial (its float64
+// form, in which warps, blocks and splits merge), `State channel(int64_t c)`, `template <int V, bool kPerLane> void item(int64_t i,
+// const State* st, Acc* acc)` and `void finish(int64_t c, const Partial& total)`.
+
+template <typename Op, int V>
+__global__ void reduce_contiguous_kernel(Op op, int64_t N, int64_t C, int64_t Sv, typename Op::Partial* partial) {
+  using Acc = typename Op::Acc;
+  const int64_t c = blockIdx.x;
+  const typename Op::State st = op.channel(c);
+  Acc acc{};
+  // pack k = n * Sv + s of channel c, at ((n * C + c) * Sv + s) * V
+  const int64_t stride = int64_t(gridDim.y) * blockDim.x;
+  const int64_t k = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
+  int64_t n = k / Sv, s = k % Sv;
+  const int64_t dn = stride / Sv, ds = stride % Sv;
+  while (n < N) {
+    op.template item<V, false>(((n * C + c) * Sv + s) * V, &st, &acc);
+    s += ds;
+    n += dn;
+    if (s >= Sv) {
+      s -= Sv;
+      ++n;
+    }
+  }
+  __shared__ typename Op::Partial warps[32];
+  const typename Op::Partial total = block_reduce(acc.to_double(), warps);  // in double
+  if (threadIdx.x == 0) {
+    if (gridDim.y == 1) {
+      op.finish(c, total);
+    } else {
+      partial[c * gridDim.y + blockIdx.y] = total;
+    }
+  }
+}
+
+template <typename Op, int V>
+__global__ void reduce_channels_last_kernel(Op op, int64_t M, int64_t C, int64_t groups,
+                                          typename Op::Partial* partial) {
+  using Acc = typename Op::Acc;
+  const int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // channels g*V .. g*V+V-1
+  const bool active = g < groups;
+  Acc acc[V];
+  typename Op::State st[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    acc[j] = Acc{};
+    if (active) st[j] = op.channel(g * V + j);
+  }
+  if (active) {
+    const int64_t stride = int64_t(gridDim.y) * blockDim.y;
+    for (int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y; r < M; r += stride) {
+      op.template item<V, true>(r * C + g * V, st, acc);
+    }
+  }
+  using Partial = typename Op::Partial;
+  __shared__ __align__(16) unsigned char tile_bytes[kTileThreads * sizeof(Partial)];
+  Partial* tile = reinterpret_cast<Partial*>(tile_bytes);
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const Partial total = column_reduce(acc[j].to_double(), tile);  // in double
+    if (threadIdx.y == 0 && active) {
+      const int64_t c = g * V + j;
+      if (gridDim.y == 1) {
+        op.finish(c, total);
+      } else {
+        partial[c * gridDim.y + blockIdx.y] = total;
+      }
+    }
+  }
+}
+
+// Second stage: one warp per channel merges its `splits` partials in a fixed order.
+template <typename Op>
+__global__ void finish_kernel(Op op, int64_t C, int64_t splits, const typename Op::Partial* partial) {
+  using Partial = typename Op::Partial;
+  const int64_t c = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (c >= C) return;  // whole warps: blockDim.x is a multiple of 32
+  Partial acc{};
+  for (int64_t i = lane; i < splits; i += 32) acc.merge(partial[c * splits + i]);
+  warp_reduce(acc);
+  if (lane == 0) op.finish(c, acc);
+}
+
+template <typename Op, int V>
+void run_reduction(const Op& op, const Layout& l, const at::TensorOptions& options, cudaStream_t stream) {
+  using Partial = typename Op::Partial;
+  const int sms = multiprocessors();
+  dim3 grid, block;
+  if (l.channels_last) {
+    const int64_t groups = l.C / V, tiles = ceil_div(groups, kMaxTileChannels);
+    const int64_t TX = ceil_div(groups, tiles), TY = kTileThreads / TX;
+    block = dim3(unsigned(TX), unsigned(TY));
+    grid = dim3(unsigned(tiles), unsigned(splits_for(l.rows(), TY, tiles, sms)));
+  } else {
+    block = dim3(kThreads);
+    grid = dim3(unsigned(l.C), unsigned(splits_for(l.N * (l.S / V), kThreads, l.C, sms)));
+  }
+  at::Tensor workspace;
+  Partial* partial = nullptr;
+  if (grid.y > 1) {
+    const int64_t doubles = l.C * int64_t(grid.y) * int64_t(sizeof(Partial) / sizeof(double));
+    workspace = at::empty({doubles}, options.dtype(at::kDouble));
+    partial = reinterpret_cast<Partial*>(workspace.data_ptr<double>());
+  }
+  if (l.channels_last) {
+    reduce_channels_last_kernel<Op, V><<<grid, block, 0, stream>>>(op, l.rows(), l.C, l.C / V, partial);
+  } else {
+    reduce_contiguous_kernel<Op, V><<<grid, block, 0, stream>>>(op, l.N, l.C, l.S / V, partial);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (grid.y > 1) {
+    finish_kernel<Op><<<unsigned(ceil_div(l.C * 32, kThreads)), kThreads, 0, stream>>>(op, l.C, grid.y, partial);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  // the workspace goes back to the caching allocator, which reuses it on this stream only
+  // after the kernels above (stream order)
+}
+
+template <typename scalar_t, typename Op>
+void launch_reduction(const Op& op, const Layout& l, bool vectorize, const at::TensorOptions& options,
+                      cudaStream_t stream) {
+  if (vectorize) {
+    run_reduction<Op, kVec<scalar_t>>(op, l, options, stream);
+  } else {
+    run_reduction<Op, 1>(op, l, options, stream);
+  }
+}
+
+}  // namespace syncbn::cuda
