@@ -1,11 +1,15 @@
-"""The compiled CPU kernels (src/cpu) against the pure-PyTorch reference (functions/reference.py),
-op by op, over shapes, layouts and dtypes chosen to hit every code path: C = 1 and C = 65,
-one value per channel, an empty batch, sizes that are no multiple of the vector width, rows long
-enough to be cut into several pieces and threads; plus hypothesis-generated shapes, gradcheck
-through the compiled path, and how the backend is chosen."""
+"""The compiled kernels of every device (src/cpu, src/cuda) against the pure-PyTorch reference
+(functions/reference.py), op by op: one suite, parametrized over the device, whose kernels are
+the backend under test (``SYNCBN_KERNELS=reference`` runs the suite through the reference). The
+shapes, layouts and dtypes are chosen per device to hit every code path: C = 1 and C = 65, one
+value per channel, an empty batch, sizes that are no multiple of the vector width, rows long
+enough to be cut into several pieces, threads (CPU), tiles and two-stage reductions (CUDA);
+plus hypothesis-generated shapes, gradcheck through the compiled path, and how the CPU backend
+is chosen. The CUDA cases need a GPU and ``SYNCBN_CUDA_KERNELS=compiled``; elsewhere they skip."""
 from __future__ import annotations
 
 import importlib
+import itertools
 import warnings
 
 import pytest
@@ -19,29 +23,71 @@ from functions import reference as ref
 from functions.reference import memory_format_of
 
 COMPILED = backend.COMPILED
-OPS = torch.ops.syncbn  # the compiled kernels on CPU tensors, where they are loaded
+OPS = torch.ops.syncbn  # dispatches to the kernels of the input's device
 needs_compiled = pytest.mark.skipif(COMPILED is None, reason="compiled kernels not built or SYNCBN_KERNELS=reference")
+needs_cuda_kernels = pytest.mark.skipif(
+    not torch.cuda.is_available() or backend.COMPILED_CUDA is None,
+    reason=f"needs a GPU and our CUDA kernels loaded (SYNCBN_CUDA_KERNELS=compiled; {backend.CUDA_BUILD_HINT})",
+)
+DEVICES = [pytest.param("cpu", marks=needs_compiled), pytest.param("cuda", marks=needs_cuda_kernels)]
 
-# (shape, memory format): the contiguous and channels_last kernel layouts, and the odd ones
-LAYOUTS = [
-    ((4, 3, 5, 7), torch.contiguous_format),
-    ((4, 3, 5, 7), torch.channels_last),
-    ((5, 65), torch.contiguous_format),  # rank 2: channels_last layout, C not a multiple of any width
-    ((3, 65, 2, 3), torch.channels_last),
-    ((2, 1, 1000), torch.contiguous_format),  # C = 1
-    ((1000, 1), torch.contiguous_format),
-    ((1, 5, 1, 1), torch.contiguous_format),  # one value per channel
-    ((6, 16, 1, 1), torch.contiguous_format),  # NCHW with S = 1 takes the channels_last layout
-    ((0, 4, 3, 3), torch.contiguous_format),  # empty local batch
-    ((0, 4, 3, 3), torch.channels_last),
-    ((2, 3, 4, 5, 6), torch.channels_last_3d),
-    ((2, 3, 4, 5, 6), torch.contiguous_format),
-    ((3, 17, 33), torch.contiguous_format),  # rank 3 (N, C, L)
-    ((2, 3, 4, 5, 2, 3), torch.contiguous_format),  # rank 6
-    ((3, 2, 70000), torch.contiguous_format),  # several pieces per channel
-    ((5000, 3), torch.contiguous_format),  # several pieces of rows
-    ((4, 20, 40, 40), torch.channels_last),
-]
+# (shape, memory format) per device: the contiguous and channels_last kernel layouts, and the odd
+# ones; CUDA's hit its packs, tiles and two-stage reductions (src/cuda/elementwise.cuh, reduction.cuh)
+LAYOUTS = {
+    "cpu": [
+        ((4, 3, 5, 7), torch.contiguous_format),
+        ((4, 3, 5, 7), torch.channels_last),
+        ((5, 65), torch.contiguous_format),  # rank 2: channels_last layout, C not a multiple of any width
+        ((3, 65, 2, 3), torch.channels_last),
+        ((2, 1, 1000), torch.contiguous_format),  # C = 1
+        ((1000, 1), torch.contiguous_format),
+        ((1, 5, 1, 1), torch.contiguous_format),  # one value per channel
+        ((6, 16, 1, 1), torch.contiguous_format),  # NCHW with S = 1 takes the channels_last layout
+        ((0, 4, 3, 3), torch.contiguous_format),  # empty local batch
+        ((0, 4, 3, 3), torch.channels_last),
+        ((2, 3, 4, 5, 6), torch.channels_last_3d),
+        ((2, 3, 4, 5, 6), torch.contiguous_format),
+        ((3, 17, 33), torch.contiguous_format),  # rank 3 (N, C, L)
+        ((2, 3, 4, 5, 2, 3), torch.contiguous_format),  # rank 6
+        ((3, 2, 70000), torch.contiguous_format),  # several pieces per channel
+        ((5000, 3), torch.contiguous_format),  # several pieces of rows
+        ((4, 20, 40, 40), torch.channels_last),
+    ],
+    "cuda": [
+        ((4, 3, 5, 7), torch.contiguous_format),  # contiguous, S odd: scalar accesses
+        ((4, 3, 5, 7), torch.channels_last),  # channels_last, C = 3 odd: scalar, TX = 3
+        ((8, 1, 16, 16), torch.contiguous_format),  # C = 1, contiguous packs
+        ((2, 1, 1000), torch.contiguous_format),  # C = 1, rank 3
+        ((1000, 1), torch.contiguous_format),  # (N, C) with C = 1
+        ((5, 65), torch.contiguous_format),  # rank 2, C = 65
+        ((3, 65, 4, 4), torch.channels_last),  # odd C, channels_last
+        ((3, 64, 4, 4), torch.channels_last),  # channels_last packs
+        ((2, 520, 3, 3), torch.channels_last),  # more than 64 packs of channels: several tiles
+        ((6, 16, 1, 1), torch.contiguous_format),  # S = 1: channels_last layout
+        ((1, 5, 1, 1), torch.contiguous_format),  # one value per channel
+        ((0, 4, 3, 3), torch.contiguous_format),  # empty batch
+        ((0, 4, 3, 3), torch.channels_last),
+        ((2, 3, 4, 5, 6), torch.channels_last_3d),
+        ((2, 8, 4, 4, 4), torch.channels_last_3d),
+        ((2, 3, 4, 5, 6), torch.contiguous_format),
+        ((3, 17, 33), torch.contiguous_format),
+        ((32, 96, 7, 7), torch.contiguous_format),  # small spatial size, many channels
+        ((64, 4, 64, 64), torch.contiguous_format),  # large N*HW, few channels: two stages
+        ((16, 8, 96, 96), torch.channels_last),  # many rows: two stages, channels_last
+        ((2, 2, 600_000), torch.contiguous_format),  # splits forced by the float32 bound
+    ],
+}
+
+
+def device_layouts() -> list:
+    """(device, shape, memory format) of every device, marked to skip where it cannot run."""
+    return [
+        pytest.param(device.values[0], shape, fmt, marks=device.marks, id=f"{device.values[0]}-{shape}-{str(fmt).replace('torch.', '')}")
+        for device in DEVICES
+        for shape, fmt in LAYOUTS[device.values[0]]
+    ]
+
+
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -84,10 +130,9 @@ def expected_stride(x: torch.Tensor) -> tuple:
     return x.contiguous(memory_format=memory_format_of(x)).stride()
 
 
-def assert_all_ops_match(x: torch.Tensor, ops=None) -> None:
-    """Every operator (``ops``, default torch.ops.syncbn: whatever serves x's device) against the
-    reference, on x's device."""
-    ops, dtype, count = ops or OPS, x.dtype, x.numel() // x.size(1)
+def assert_all_ops_match(x: torch.Tensor) -> None:
+    """Every operator (whatever kernels serve x's device) against the reference, on x's device."""
+    ops, dtype, count = OPS, x.dtype, x.numel() // x.size(1)
     stride = expected_stride(x)
     mean, m2 = ops.local_stats(x)
     mean_ref, m2_ref = ref.local_stats(x)
@@ -124,10 +169,10 @@ def clear_of_the_kink(x, mean, invstd, weight, bias, residual) -> torch.Tensor:
     return ref.pre_activation(x, scale, shift, residual).abs() > 1e-2
 
 
-def assert_fused_ops_match(x: torch.Tensor, ops=None) -> None:
+def assert_fused_ops_match(x: torch.Tensor) -> None:
     """elemt_forward with a residual and an activation, and backward_affine_act with every
     combination of outputs, against the reference (``ops`` as in assert_all_ops_match)."""
-    ops, dtype, count = ops or OPS, x.dtype, x.numel() // x.size(1)
+    ops, dtype, count = OPS, x.dtype, x.numel() // x.size(1)
     stride = expected_stride(x)
     mean, invstd, weight, bias = per_channel_args(x)
     bias = bias - 5  # about half the values below 0
@@ -158,26 +203,68 @@ def assert_fused_ops_match(x: torch.Tensor, ops=None) -> None:
                 assert got[2] is None and got[3] is None
 
 
-@needs_compiled
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape,memory_format", LAYOUTS, ids=lambda v: str(v).replace("torch.", ""))
-def test_each_op_matches_reference(shape, memory_format, dtype) -> None:
-    assert_all_ops_match(make_input(shape, memory_format, dtype))
+@pytest.mark.parametrize("device,shape,memory_format", device_layouts())
+def test_each_op_matches_reference(device, shape, memory_format, dtype) -> None:
+    assert_all_ops_match(make_input(shape, memory_format, dtype, device=device))
 
 
-@needs_compiled
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape,memory_format", LAYOUTS, ids=lambda v: str(v).replace("torch.", ""))
-def test_fused_ops_match_reference(shape, memory_format, dtype) -> None:
-    assert_fused_ops_match(make_input(shape, memory_format, dtype))
+@pytest.mark.parametrize("device,shape,memory_format", device_layouts())
+def test_fused_ops_match_reference(device, shape, memory_format, dtype) -> None:
+    assert_fused_ops_match(make_input(shape, memory_format, dtype, device=device))
 
 
-@needs_compiled
-def test_strides_of_neither_layout_are_made_contiguous_once() -> None:
-    x = make_input((6, 5, 8, 7), torch.contiguous_format, torch.float64)
-    for view in [x[:, :, ::2], x.transpose(2, 3), x.permute(0, 2, 3, 1)[..., :3].permute(0, 3, 1, 2)]:
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_strides_of_neither_layout_and_misaligned_data(device, dtype) -> None:
+    x = make_input((6, 5, 8, 8), torch.contiguous_format, dtype, device=device)
+    views = [x[:, :, ::2], x.transpose(2, 3), x.permute(0, 2, 3, 1)[..., :3].permute(0, 3, 1, 2)]
+    # contiguous, but 1 element past a 16-byte boundary: no aligned vector access
+    flat = torch.empty(x.numel() + 1, dtype=dtype, device=device)
+    views.append(flat[1:].view(x.shape).copy_(x))
+    cl = torch.empty(6 * 8 * 8 * 8 + 1, dtype=dtype, device=device)[1:]  # channels_last, misaligned
+    views.append(cl.as_strided((6, 8, 8, 8), (512, 1, 64, 8)).copy_(make_input((6, 8, 8, 8), torch.channels_last, dtype)))
+    for view in views[:3]:
         assert not view.is_contiguous()
+    for view in views:
         assert_all_ops_match(view)
+        assert_fused_ops_match(view)
+
+
+@pytest.mark.parametrize("flags", list(itertools.product([False, True], repeat=3)), ids=str)
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_affine_act_returns_what_is_asked(device, flags, memory_format) -> None:
+    x = make_input((4, 6, 5, 8), memory_format, torch.float32, device=device)
+    dy = make_input(x.shape, memory_format, torch.float32, seed=4, device=device)
+    residual = make_input(x.shape, memory_format, torch.float32, seed=5, device=device)
+    mean, invstd, weight, bias = per_channel_args(x)
+    for slope in [None, 0.0, 0.2]:
+        args = (dy, x, mean, invstd, weight, bias, residual, slope, *flags)
+        got = affine_act_grads(OPS.backward_affine_act(*args), *flags)
+        want = affine_act_grads(ref.backward_affine_act(*args), *flags)
+        for a, b in zip(got, want):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_takes_the_forwards_side_of_the_activation(device, dtype, memory_format) -> None:
+    # pre-activation values near 0: the backward recomputes pre exactly as the forward did
+    x = make_input((8, 16, 9, 9), memory_format, dtype, device=device)
+    mean, invstd, weight, bias = per_channel_args(x)
+    mean = x.to(ref.accumulation_dtype(dtype)).mean(ref.reduction_dims(x))
+    residual = -ref.elemt_forward(x, mean, invstd, weight, bias) * (1 + 1e-7)
+    residual = residual.contiguous(memory_format=memory_format)
+    y = OPS.elemt_forward(x, mean, invstd, weight, bias, residual, 0.0)
+    _, g, _, _ = OPS.backward_affine_act(
+        torch.ones_like(x), x, mean, invstd, weight, bias, residual, 0.0, input_grad=False, residual_grad=True, sums=False
+    )
+    assert torch.equal(g == 1, y > 0)
 
 
 @needs_compiled
@@ -194,41 +281,53 @@ def test_hypothesis_shapes_match_reference(sizes, channels_last, dtype) -> None:
     assert_all_ops_match(x)
 
 
-@needs_compiled
-def test_merge_stats_matches_reference() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_stats_matches_reference(device) -> None:
     generator = torch.Generator().manual_seed(0)
     counts = torch.tensor([3.0, 0.0, 7.0, 1.0], dtype=torch.float64)
     means = torch.randn(4, 6, generator=generator, dtype=torch.float64) * 100
     m2s = torch.rand(4, 6, generator=generator, dtype=torch.float64) * counts.unsqueeze(1)
     means[1], m2s[1] = 0, 0  # an empty part carries zeros
-    for got, expected in zip(OPS.merge_stats(counts, means, m2s), ref.merge_stats(counts, means, m2s)):
-        torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-13)
+    got = OPS.merge_stats(counts.to(device), means.to(device), m2s.to(device))
+    for a, b in zip(got, ref.merge_stats(counts, means, m2s)):
+        assert a.device.type == device
+        torch.testing.assert_close(a.cpu(), b, atol=1e-10, rtol=1e-13)
 
 
-@needs_compiled
-@pytest.mark.parametrize("shape,memory_format", [((2000, 3), torch.contiguous_format), ((8, 4, 30, 30), torch.channels_last), ((3, 2, 70000), torch.contiguous_format)])
-def test_float32_statistics_of_a_large_mean_are_precise(shape, memory_format) -> None:
-    # mean 1e4, std 1: the pivot shift keeps float32 Welford lanes as precise as float64 sums
+# M2 of float32 data with mean 1e4 and std 1, relative to the truth: the CPU's float lanes fold
+# into double every 16 values, CUDA's threads likewise but over more values per thread
+LARGE_MEAN_M2_RTOL = {"cpu": 1e-6, "cuda": 1e-5}
+
+
+@pytest.mark.parametrize(
+    "shape,memory_format",
+    [((2000, 3), torch.contiguous_format), ((8, 4, 30, 30), torch.channels_last), ((3, 2, 700_000), torch.contiguous_format)],
+    ids=str,
+)
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32_statistics_of_a_large_mean_are_precise(device, shape, memory_format) -> None:
+    # mean 1e4, std 1: the pivot shift keeps float32 accumulators as precise as float64 sums
     x = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) + 1e4).contiguous(memory_format=memory_format)
-    mean, m2 = OPS.local_stats(x)
+    mean, m2 = OPS.local_stats(x.to(device))
     count = ref.values_per_channel(x)
     truth = x.double()
     dims = ref.reduction_dims(x)
-    torch.testing.assert_close(mean, truth.mean(dims), rtol=1e-9, atol=0)
-    torch.testing.assert_close(m2 / count, truth.var(dims, correction=0), rtol=1e-6, atol=0)
+    torch.testing.assert_close(mean.cpu(), truth.mean(dims), rtol=1e-9, atol=0)
+    torch.testing.assert_close(m2.cpu() / count, truth.var(dims, correction=0), rtol=LARGE_MEAN_M2_RTOL[device], atol=0)
 
 
-@needs_compiled
-def test_non_finite_values_propagate_like_torch() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_values_propagate_like_torch(device) -> None:
     x = torch.randn(8, 4, 3, 3, dtype=torch.float64)
     x[0, 0, 0, 0] = float("nan")
     x[0, 1, 0, 0] = float("inf")  # the channel's first value: no finite pivot
     x[5, 2, 1, 1] = float("-inf")
     for layout in [torch.contiguous_format, torch.channels_last]:
-        mean, m2 = OPS.local_stats(x.contiguous(memory_format=layout))
-        mean_ref, m2_ref = ref.local_stats(x)
-        torch.testing.assert_close(mean, mean_ref, equal_nan=True)
-        assert mean[1] == float("inf") and mean[2] == float("-inf") and m2[:3].isnan().all()
+        for dtype in [torch.float64, torch.float32, torch.float16]:
+            mean, m2 = OPS.local_stats(x.to(dtype).contiguous(memory_format=layout).to(device))
+            mean_ref, _ = ref.local_stats(x.to(dtype))
+            torch.testing.assert_close(mean.cpu(), mean_ref, equal_nan=True, **tolerance(dtype))
+            assert mean[1] == float("inf") and mean[2] == float("-inf") and m2[:3].isnan().all()
 
 
 @needs_compiled
@@ -256,17 +355,24 @@ def test_gradcheck_through_compiled_kernels(memory_format) -> None:
     assert torch.autograd.gradcheck(lambda x, w, b: sync_batch_norm(x, None, None, w, b), inputs)
 
 
-@needs_compiled
-@pytest.mark.parametrize("call", [
-    lambda ops: ops.local_stats(torch.ones(4, 3, dtype=torch.int64)),
-    lambda ops: ops.local_stats(torch.ones(4)),
-    lambda ops: ops.elemt_forward(torch.ones(4, 3), torch.zeros(2), torch.ones(3), None, None),
-    lambda ops: ops.backward_reduce(torch.ones(4, 3), torch.ones(4, 2), torch.zeros(2)),
-    lambda ops: ops.backward_reduce(torch.ones(4, 3, dtype=torch.float64), torch.ones(4, 3), torch.zeros(3)),
-], ids=["integer dtype", "rank 1", "wrong channel count", "dy shape", "dy dtype"])
-def test_bad_arguments_raise(call) -> None:
+BAD_CALLS = {
+    "integer dtype": lambda ops, d: ops.local_stats(torch.ones(4, 3, dtype=torch.int64, device=d)),
+    "rank 1": lambda ops, d: ops.local_stats(torch.ones(4, device=d)),
+    "wrong channel count": lambda ops, d: ops.elemt_forward(
+        torch.ones(4, 3, device=d), torch.zeros(2, device=d), torch.ones(3, device=d), None, None
+    ),
+    "dy shape": lambda ops, d: ops.backward_reduce(torch.ones(4, 3, device=d), torch.ones(4, 2, device=d), torch.zeros(2, device=d)),
+    "dy dtype": lambda ops, d: ops.backward_reduce(
+        torch.ones(4, 3, dtype=torch.float64, device=d), torch.ones(4, 3, device=d), torch.zeros(3, device=d)
+    ),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD_CALLS))
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_arguments_raise(device, what) -> None:
     with pytest.raises(RuntimeError, match="syncbn"):
-        call(OPS)
+        BAD_CALLS[what](OPS, device)
 
 
 def test_cpu_backend_is_compiled_unless_the_reference_is_forced() -> None:
