@@ -1,6 +1,6 @@
-// Per-channel elementwise passes: the forward y = act(x * scale + shift + z) and the backward
-// dx = (dy - mean_dy - (x - mean) * xmu_coef) * scale, each one pass over memory with its
-// per-channel coefficients computed once (in double, then rounded to the accumulation type).
+// Per-channel elementwise passes, elemt_forward and backward_elemt (what they compute:
+// src/kernels.inc), each one pass over memory with its per-channel coefficients computed once (in
+// double, then rounded to the accumulation type).
 #include "batch_norm_cpu.h"
 #include "activation.h"
 #include "per_channel.h"

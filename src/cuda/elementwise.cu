@@ -1,6 +1,6 @@
-// Per-channel elementwise passes on CUDA: the forward y = act(x * scale + shift + residual) and
-// the backward dx = (dy - mean_dy - (x - mean) * xmu_coef) * scale, each one pass over memory
-// with its per-channel coefficients computed once per call on the device (operands.cuh).
+// Per-channel elementwise passes on CUDA, elemt_forward and backward_elemt (what they compute:
+// src/kernels.inc), each one pass over memory with its per-channel coefficients computed once per
+// call on the device (operands.cuh).
 #include "batch_norm_cuda.h"
 #include "elementwise.cuh"
 #include "operands.cuh"
