@@ -253,6 +253,9 @@ class _ReplicaRun:
         self.pieces = pieces  # per replica, aligned with input_leaves
         # shapes, dtypes and strides of the sources, not the sources: the graph must not keep them
         self.source_likes = [torch.empty_like(t, device="meta") for t in sources]
+        # aliases sharing each source's version counter (and memory, which the leaves hold anyway)
+        self.source_aliases = [t.detach() for t in sources]
+        self.source_versions = [t._version for t in sources]
         self.source_devices = [t.device for t in sources]
         self.param_leaves = param_leaves  # per replica, aligned with params
         self.params, self.devices, self.rounds, self.dim = params, devices, rounds, dim
@@ -337,6 +340,24 @@ class _ReplicaRun:
                 result.append(rows + whole[k])
         return result
 
+    def _covered(self, k: int) -> bool:
+        """Whether the replicas' pieces cover every row of source k (not where a tensor with fewer
+        rows cut the replicas to fewer chunks): the uncovered rows' gradient is zero."""
+        starts = {(p.start, p.size) for pieces in self.pieces for p in pieces if p.source == k and p.start is not None}
+        like = self.source_likes[k]
+        return sum(size for _, size in starts) == like.size(self.dim % like.dim())
+
+    def _check_sources_unchanged(self) -> None:
+        """As autograd refuses saved tensors modified in place: the replicas saw the sources'
+        memory (their own version counters cannot tell), so a source written in place after the
+        forward would give a wrong gradient."""
+        for alias, version in zip(self.source_aliases, self.source_versions):
+            if alias._version != version:
+                raise RuntimeError(
+                    "ThreadedDataParallel: an input of the replicas was modified by an inplace operation "
+                    f"after the forward (version {alias._version}, expected {version}); its gradient would be wrong"
+                )
+
     def backward(self, graph_outputs: Sequence[Tensor], grads: Sequence[Tensor]) -> list[Tensor | None]:
         """Gradients for the sources, then for the params."""
         it = iter(graph_outputs)  # replica by replica, as take_graph_outputs gave them
@@ -344,8 +365,9 @@ class _ReplicaRun:
             [next(it) for p in range(len(grads)) if self.requires_grad[p][j]] for j in range(len(self.devices))
         ]
         cut = {piece.source for pieces in self.pieces for piece in pieces if piece.start is not None}
+        self._check_sources_unchanged()
         buffers = [
-            torch.empty_like(like, device=device) if k in cut else None
+            (torch.empty_like if self._covered(k) else torch.zeros_like)(like, device=device) if k in cut else None
             for k, (like, device) in enumerate(zip(self.source_likes, self.source_devices))
         ]
         state = _ThreadState(self.devices)  # the backward's own grad mode and autocast
@@ -371,17 +393,11 @@ _WRITTEN = object()
 def _record_in_place_writes(input_leaves: list[list[Tensor]], pieces: list[list[_Piece]], sources: list[Tensor]) -> None:
     """Where a replica wrote to its input in place, it wrote to the caller's tensor: bump that
     tensor's version, so that the caller's graph refuses to use what it saved of the old values
-    (as it would had the module run on it directly); a leaf that requires grad refuses such
-    writes in torch, so it raises here."""
+    (as it would had the module run on it directly). Leaf sources never get here: the replicas
+    hold leaves of them, which refuse in-place writes."""
     written = {piece.source for leaves, cut in zip(input_leaves, pieces) for leaf, piece in zip(leaves, cut) if leaf._version}
     for index in sorted(written):
-        source = sources[index]
-        if source.is_leaf:
-            raise RuntimeError(
-                "ThreadedDataParallel: a replica modified its input in place, but the input is a leaf "
-                "tensor that requires grad, which torch does not allow to be modified in place"
-            )
-        increment_version(source)
+        increment_version(sources[index])
 
 
 class _ReplicaInput(Function):
@@ -532,7 +548,9 @@ class ThreadedDataParallel(nn.Module):
             # not invalidate what the other replicas saved (see _record_in_place_writes)
             leaves.append(value.data.requires_grad_())
             pieces.append(_Piece(index, start, value.size(self.dim) if start is not None else 0))
-            flat[i] = _ReplicaInput.apply(leaves[-1])
+            # a leaf source: the replica's own leaf, which refuses an in-place write before it is
+            # made, as the caller's leaf would; else a non-leaf alias that takes it
+            flat[i] = leaves[-1] if source.is_leaf else _ReplicaInput.apply(leaves[-1])
         args, kwargs = tree_unflatten(flat, spec)
         return args, kwargs, leaves, pieces
 

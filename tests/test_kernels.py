@@ -1,6 +1,6 @@
 """The compiled kernels of every device (src/cpu, src/cuda) against the pure-PyTorch reference
 (functions/reference.py), op by op: one suite, parametrized over the device, whose kernels are
-the backend under test (``SYNCBN_KERNELS=reference`` runs the suite through the reference). The
+the backend under test (they skip under ``SYNCBN_KERNELS=reference``, which loads none). The
 shapes, layouts and dtypes are chosen per device to hit every code path: C = 1 and C = 65, one
 value per channel, an empty batch, sizes that are no multiple of the vector width, rows long
 enough to be cut into several pieces, threads (CPU), tiles and two-stage reductions (CUDA);

@@ -190,8 +190,32 @@ def test_in_place_ops_on_a_chunk_write_to_the_callers_tensor() -> None:
     ThreadedDataParallel(nn.ReLU(inplace=True), ["cpu"] * 4)(saved)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         saved.sum().backward()
-    with pytest.raises(RuntimeError, match="leaf tensor that requires grad"):
+    before = a.detach().clone()
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
         ThreadedDataParallel(nn.ReLU(inplace=True), ["cpu"] * 4)(a)
+    assert torch.equal(a, before)  # refused before the write, as torch refuses it
+
+    # the caller writing to an input after the forward: refused, as autograd refuses it
+    h = a * 1
+    y = ThreadedDataParallel(nn.Linear(3, 2), ["cpu"] * 2)(h)
+    h.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_rows_of_an_input_that_no_replica_got_have_zero_gradient() -> None:
+    # y's 3 rows make 3 chunks, so 3 replicas: x's last chunk (row 9) reaches none
+    x = torch.randn(10, 4, requires_grad=True)
+    y = torch.randn(3, 4, requires_grad=True)
+
+    class Scale(nn.Module):
+        def forward(self, x, y):
+            return x * y.sum()
+
+    ThreadedDataParallel(Scale(), ["cpu"] * 4)(x, y).sum().backward()
+    assert torch.equal(x.grad[9], torch.zeros(4))
+    # replica j got x's rows 3j..3j+2 and y's row j
+    torch.testing.assert_close(x.grad[:9], y.detach().sum(1).repeat_interleave(3).unsqueeze(1).expand(9, 4))
 
 
 class Uses(nn.Module):
@@ -207,8 +231,7 @@ class Uses(nn.Module):
         return out + y * 3 if y.size(0) > 1 else out
 
 
-@pytest.mark.parametrize("channels_last", [False, True])
-def test_input_gradients_per_source_tensor(channels_last: bool) -> None:
+def test_input_gradients_per_source_tensor() -> None:
     from collections import deque
 
     module = Uses()
