@@ -76,7 +76,12 @@ class ReplicaRound:
         self.number = number
         self.timeout = timeout
         self._members: list[weakref.ref] = []
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        # two queues on one lock, so that a replica's post wakes nobody but the master, and
+        # only when it completes the set: where replicas outnumber cores, every needless
+        # wake-up costs a context switch and a turn of the GIL
+        self._all_arrived = threading.Condition(self._lock)  # the master waits for the payloads
+        self._published = threading.Condition(self._lock)  # the others wait for its result
         self._sealed = False
         self._slots: dict[Key, _Slot] = {}
         self._failure: tuple[int | None, BaseException] | None = None
@@ -87,12 +92,12 @@ class ReplicaRound:
 
     def add(self, replica: nn.Module) -> int:
         """Add a replica; returns its index (0 is the master)."""
-        with self._cond:
+        with self._lock:
             self._members.append(weakref.ref(replica))
             return len(self._members) - 1
 
     def accepts_members(self) -> bool:
-        with self._cond:
+        with self._lock:
             return not self._sealed and any(ref() is not None for ref in self._members)
 
     @property
@@ -100,15 +105,19 @@ class ReplicaRound:
         return self._sealed
 
     def seal(self) -> None:
-        with self._cond:
+        with self._lock:
             self._sealed = True
 
     def abort(self, error: BaseException, index: int | None = None) -> None:
         """Break the round: every replica waiting in it, or arriving later, raises."""
-        with self._cond:
+        with self._lock:
             if self._failure is None:
                 self._failure = (index, error)
-            self._cond.notify_all()
+            self._wake_everyone()
+
+    def _wake_everyone(self) -> None:
+        self._all_arrived.notify_all()
+        self._published.notify_all()
 
     def exchange(self, key: Key, index: int, payload: Any, combine: Callable[[list[Any]], Any]) -> Any:
         """Post ``payload``; the master combines all payloads (in index order) and every
@@ -116,15 +125,16 @@ class ReplicaRound:
         when another replica failed; an error raised by ``combine`` is re-raised by the master
         and breaks the round for the others."""
         deadline = time.monotonic() + self.timeout
-        with self._cond:
+        with self._lock:
             self._sealed = True
             slot = self._slots.setdefault(key, _Slot())
             if self._failure is not None:
                 raise self._aborted_error(key, slot)
             slot.payloads[index] = payload
-            self._cond.notify_all()
+            if len(slot.payloads) == self.size:
+                self._all_arrived.notify_all()
             if index == 0:
-                self._wait(key, slot, deadline, lambda: len(slot.payloads) == self.size)
+                self._wait(self._all_arrived, key, slot, deadline, lambda: len(slot.payloads) == self.size)
                 payloads = [slot.payloads[i] for i in range(self.size)]
         if index == 0:
             try:
@@ -132,21 +142,23 @@ class ReplicaRound:
             except BaseException as error:
                 self.abort(error, 0)
                 raise
-        with self._cond:
+        with self._lock:
             if index == 0:
                 if self._failure is not None:  # broken while combining: publish nothing
                     raise self._aborted_error(key, slot)
                 slot.result, slot.done = result, True
-                self._cond.notify_all()
+                self._published.notify_all()
             else:
-                self._wait(key, slot, deadline, lambda: slot.done)
+                self._wait(self._published, key, slot, deadline, lambda: slot.done)
             slot.taken += 1
             if slot.taken == self.size:
                 del self._slots[key]
             return slot.result
 
-    def _wait(self, key: Key, slot: _Slot, deadline: float, ready: Callable[[], bool]) -> None:
-        """Wait on the condition (held) until ``ready()``, a failure, or the deadline.
+    def _wait(
+        self, condition: threading.Condition, key: Key, slot: _Slot, deadline: float, ready: Callable[[], bool]
+    ) -> None:
+        """Wait on ``condition`` (its lock held) until ``ready()``, a failure, or the deadline.
 
         Once every replica has arrived, the master's combine decides (it publishes, or breaks
         the round when it raises), so the deadline is extended once by the timeout: a replica
@@ -163,9 +175,9 @@ class ReplicaRound:
             if remaining <= 0:
                 error = self._timeout_error(key, slot)
                 self._failure = (None, error)
-                self._cond.notify_all()
+                self._wake_everyone()
                 raise error
-            self._cond.wait(remaining)
+            condition.wait(remaining)
 
     def _where(self, key: Key, slot: _Slot) -> str:
         direction, call = key

@@ -84,11 +84,10 @@ class Synchronizer:
     def global_stats(self, x: Tensor, mean: Tensor, m2: Tensor) -> tuple[int, Tensor, Tensor]:
         """Global count, mean and biased variance (float64), on x's device, from this replica's
         local ``mean`` and ``m2`` of ``x`` (``(C,)`` each)."""
-        local = LocalStats(values_per_channel(x), mean, m2, x.dtype, x.shape)
         if self.replica_call is None:
-            count, mean, var = self._merge_parts([local])
+            count, mean, var = self._merge_parts([LocalStats(values_per_channel(x), mean, m2, x.dtype, x.shape)])
         else:
-            local = dataclasses.replace(local, ready=devices.mark_ready(local.mean))
+            local = LocalStats(values_per_channel(x), mean, m2, x.dtype, x.shape, devices.mark_ready(mean))
 
             def merge(parts: list[LocalStats]) -> tuple:
                 count, mean, var = self._merge_parts(parts)
@@ -150,6 +149,8 @@ def _on_one_device(parts: list[LocalStats]) -> list[LocalStats]:
     that produced it."""
     device = parts[0].mean.device
     return [
-        dataclasses.replace(part, mean=devices.fetch(part.mean, device, part.ready), m2=devices.fetch(part.m2, device, part.ready))
+        part
+        if part.mean.device == device
+        else dataclasses.replace(part, mean=devices.fetch(part.mean, device, part.ready), m2=devices.fetch(part.m2, device, part.ready))
         for part in parts
     ]
