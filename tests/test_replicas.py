@@ -284,6 +284,25 @@ def test_round_exchange_keys_are_cleaned_up() -> None:
     assert round._slots == {}
 
 
+def test_abort_releases_a_waiting_master_and_a_waiting_replica_at_once() -> None:
+    # the master waits for the payloads and replica 1 for the result (two queues of the round):
+    # an abort from outside, as ThreadedDataParallel makes when replica 2 fails, wakes both
+    round = ReplicaRound("layer", 1, timeout=30)
+    members = [nn.Identity() for _ in range(3)]
+    for m in members:
+        round.add(m)
+
+    def abort_later():
+        time.sleep(0.3)
+        round.abort(KeyError("replica 2 fails"), 2)
+
+    start = time.monotonic()
+    results = run_threads([lambda i=i: round.exchange(("forward", 0), i, i, sum) for i in range(2)] + [abort_later])
+    assert time.monotonic() - start < 5
+    for result in results[:2]:
+        assert isinstance(result, ReplicaSyncError) and "replica 2 failed: KeyError" in str(result), result
+
+
 def test_a_slow_master_combine_is_waited_for() -> None:
     # replica 1 arrives at once, the master late, and its combine takes a while: both get the
     # result (the deadline of a replica that has everyone's payload is extended once)
