@@ -475,6 +475,13 @@ class ThreadedDataParallel(nn.Module):
         if len(self.devices) == 1:
             split_inputs, split_kwargs = _scatter_kwargs(inputs, kwargs, self.devices, self.dim)
             return self.module(*split_inputs[0], **split_kwargs[0])
+        return self._forward_in_threads(inputs, kwargs)
+
+    # Dynamo cannot trace threads, and the replicas are new modules at every step (a guard on
+    # them would recompile each step): the threaded step runs eagerly under torch.compile, and
+    # the replicas run in worker threads, which Dynamo does not compile either
+    @torch.compiler.disable
+    def _forward_in_threads(self, inputs: tuple, kwargs: dict) -> Any:
         cuts: Cuts = {}
         split_inputs, split_kwargs = _scatter_kwargs(inputs, kwargs, self.devices, self.dim, cuts)
         devices = self.devices[: len(split_inputs)]

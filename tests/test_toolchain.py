@@ -172,13 +172,23 @@ def test_double_backward_across_replicas_raises_naming_the_layer() -> None:
 
 
 def test_threaded_data_parallel_under_compile() -> None:
+    # the threaded step runs eagerly (Dynamo cannot trace threads, and the replicas are new
+    # modules at every step): one graph break, there, and no recompile over the steps
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
     theirs, ours = converted_pair()
     parallel = ThreadedDataParallel(ours, ["cpu"] * 3)
     compiled = torch.compile(parallel)
-    x = torch.randn(7, 3, 8, 8, dtype=torch.float64)
-    for model, inp in ((theirs, x.clone().requires_grad_()), (compiled, x.clone().requires_grad_())):
-        model(inp).square().sum().backward()
-    assert_same_state(theirs, ours, atol=1e-9, rtol=1e-9)
+    for step in range(3):
+        x = torch.randn(7, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        for model, inp in ((theirs, x.clone().requires_grad_()), (compiled, x.clone().requires_grad_())):
+            model(inp).square().sum().backward()
+        assert_same_state(theirs, ours, atol=1e-9, rtol=1e-9)
+    breaks = dict(counters["graph_break"])
+    assert breaks and all("_forward_in_threads" in reason for reason in breaks), breaks
+    assert not counters.get("recompiles"), dict(counters["recompiles"])
 
 
 def compiled_ddp_worker(rank: int, world_size: int) -> tuple[list[float], int, dict]:
