@@ -84,10 +84,12 @@ class Synchronizer:
     def global_stats(self, x: Tensor, mean: Tensor, m2: Tensor) -> tuple[int, Tensor, Tensor]:
         """Global count, mean and biased variance (float64), on x's device, from this replica's
         local ``mean`` and ``m2`` of ``x`` (``(C,)`` each)."""
+        # only a part that another replica's thread fetches needs a fence
+        ready = None if self.replica_call is None else devices.mark_ready(mean)
+        local = LocalStats(values_per_channel(x), mean, m2, x.dtype, x.shape, ready)
         if self.replica_call is None:
-            count, mean, var = self._merge_parts([LocalStats(values_per_channel(x), mean, m2, x.dtype, x.shape)])
+            count, mean, var = self._merge_parts([local])
         else:
-            local = LocalStats(values_per_channel(x), mean, m2, x.dtype, x.shape, devices.mark_ready(mean))
 
             def merge(parts: list[LocalStats]) -> tuple:
                 count, mean, var = self._merge_parts(parts)

@@ -5,6 +5,8 @@ under torch.compile."""
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -15,6 +17,15 @@ from torch.func import functional_call, grad, vmap
 from helpers import SmallResNet, assert_same_state, randomize_affine, run_threads, stock_replicas
 from modules import nn as NN
 from modules.parallel import ThreadedDataParallel
+
+
+@contextmanager
+def no_recompile_after_a_step() -> Iterator[Callable[[], None]]:
+    """For a loop over compiled steps: call what it gives at the end of a step, and from then on
+    every step must reuse what was compiled (a recompile raises ``RecompileError``); the
+    setting is restored on leaving, failures included."""
+    with torch._dynamo.config.patch(error_on_recompile=False):
+        yield lambda: setattr(torch._dynamo.config, "error_on_recompile", True)
 
 
 def converted_pair(dtype: torch.dtype = torch.float64) -> tuple[nn.Module, nn.Module]:
@@ -28,8 +39,8 @@ def test_compile_fullgraph_matches_eager_and_compiles_once_per_mode() -> None:
     eager = copy.deepcopy(ours)
     torch._dynamo.reset()
     compiled = torch.compile(ours, fullgraph=True, dynamic=False)
-    with torch._dynamo.config.patch(error_on_recompile=False):
-        for step in range(4):
+    with no_recompile_after_a_step() as step_done:
+        for _ in range(4):
             x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
             outputs = []
             for model in (compiled, eager):
@@ -39,8 +50,7 @@ def test_compile_fullgraph_matches_eager_and_compiles_once_per_mode() -> None:
                 outputs.append(y)
             torch.testing.assert_close(outputs[0], outputs[1], atol=1e-10, rtol=1e-10)
             assert_same_state(ours, eager, atol=1e-10, rtol=1e-10)
-            if step == 0:  # every later step must reuse the first step's graph
-                torch._dynamo.config.error_on_recompile = True
+            step_done()  # every later step must reuse the first step's graph
     torch._dynamo.reset()
     ours.eval(), eager.eval()
     compiled = torch.compile(ours, fullgraph=True, dynamic=False)
@@ -181,14 +191,13 @@ def test_threaded_data_parallel_under_compile() -> None:
     theirs, ours = converted_pair()
     parallel = ThreadedDataParallel(ours, ["cpu"] * 3)
     compiled = torch.compile(parallel)
-    with torch._dynamo.config.patch(error_on_recompile=False):
+    with no_recompile_after_a_step() as step_done:
         for step in range(3):
             x = torch.randn(7, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
             for model, inp in ((theirs, x.clone().requires_grad_()), (compiled, x.clone().requires_grad_())):
                 model(inp).square().sum().backward()
             assert_same_state(theirs, ours, atol=1e-9, rtol=1e-9)
-            if step == 0:  # every later step must reuse what the first step compiled
-                torch._dynamo.config.error_on_recompile = True
+            step_done()
     breaks = dict(counters["graph_break"])
     assert breaks and all("_forward_in_threads" in reason for reason in breaks), breaks
 
@@ -205,7 +214,7 @@ def compiled_ddp_worker(rank: int, world_size: int) -> tuple[list[float], int, l
     eager, inner = DDP(copy.deepcopy(base), broadcast_buffers=False), DDP(copy.deepcopy(base), broadcast_buffers=False)
     compiled = torch.compile(inner)
     differences = []
-    with torch._dynamo.config.patch(error_on_recompile=False):
+    with no_recompile_after_a_step() as step_done:
         for step in range(3):
             x = torch.randn(6, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
             for model in (eager, compiled):
@@ -213,8 +222,7 @@ def compiled_ddp_worker(rank: int, world_size: int) -> tuple[list[float], int, l
                 model(x[rank * 3 : (rank + 1) * 3]).square().sum().backward()
             differences.append(max((p.grad - q.grad).abs().max().item() for p, q in zip(eager.parameters(), inner.parameters())))
             differences.append(max((p - q).abs().max().item() for p, q in zip(eager.buffers(), inner.buffers())))
-            if step == 0:  # every later step must reuse what the first step compiled
-                torch._dynamo.config.error_on_recompile = True
+            step_done()
     ours = sum(n for reason, n in counters["graph_break"].items() if "_forward_synced" in reason)
     others = [reason for reason in counters["graph_break"] if "_forward_synced" not in reason]
     return differences, ours, others
