@@ -21,6 +21,12 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def in_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t.to(dtype)`` without the call where ``t`` has it already: on replica threads every call
+    into torch hands the GIL to another replica and waits to get it back."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 STATS_DTYPE = torch.float64
 """The dtype of per-channel statistics (mean, M2, variance) between local_stats and the merge."""
 
@@ -290,5 +296,5 @@ def normalize(
     ``var``: returns ``(y, mean, invstd)``, mean and invstd = 1 / sqrt(var + eps) in the
     accumulation dtype, as the backward takes them."""
     acc = accumulation_dtype(x.dtype)
-    mean, invstd = mean.to(acc), torch.rsqrt(var + eps).to(acc)
+    mean, invstd = in_dtype(mean, acc), in_dtype(torch.rsqrt(var + eps), acc)
     return torch.ops.syncbn.elemt_forward(x, mean, invstd, weight, bias, residual, negative_slope), mean, invstd

@@ -27,7 +27,7 @@ from torch.autograd.function import Function
 from torch.nn import functional as F
 
 from . import backend, reference  # noqa: F401  (backend: registers the kernels)
-from .reference import memory_format_of, values_per_channel
+from .reference import in_dtype, memory_format_of, values_per_channel
 from .stats import check_values_per_channel
 from .synchronization import Synchronizer
 
@@ -120,9 +120,9 @@ class SyncBatchNormFunction(Function):
             total_dy, total_dy_xmu = (sum_dy, sum_dy_xmu) if ctx.sync is None else ctx.sync.global_grad_sums(sum_dy, sum_dy_xmu)
             grad_input = torch.ops.syncbn.backward_elemt(dy, x, mean, invstd, weight, total_dy, total_dy_xmu, ctx.count)
         if weight is not None and wants_weight:
-            grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
+            grad_weight = in_dtype(sum_dy_xmu * invstd, weight.dtype)
         if bias is not None and wants_bias:
-            grad_bias = sum_dy.to(bias.dtype)
+            grad_bias = in_dtype(sum_dy, bias.dtype)
         if residual is not None and ctx.needs_input_grad[10]:
             grad_residual = dy
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, grad_residual, None

@@ -102,13 +102,14 @@ class Synchronizer:
 
     def global_grad_sums(self, sum_dy: Tensor, sum_dy_xmu: Tensor) -> tuple[Tensor, Tensor]:
         """(sum_dy, sum_dy_xmu) summed over every replica and rank in one exchange, on this
-        replica's device."""
-        both = torch.cat([sum_dy, sum_dy_xmu])
+        replica's device. The master does every op of the sum: the others only wait, and each
+        op they made would hand the GIL around among the replica threads."""
+        part = (sum_dy, sum_dy_xmu, devices.mark_ready(sum_dy_xmu) if self.replica_call is not None else None)
         if self.replica_call is None:
-            total, ready = self._sum_parts([(both, None)])
+            total_dy, total_dy_xmu, ready = self._sum_parts([part])
         else:
-            total, ready = self._exchange("backward", (both, devices.mark_ready(both)), self._sum_parts)
-        return devices.fetch(total, both.device, ready).chunk(2)
+            total_dy, total_dy_xmu, ready = self._exchange("backward", part, self._sum_parts)
+        return devices.fetch(total_dy, sum_dy.device, ready), devices.fetch(total_dy_xmu, sum_dy.device, ready)
 
     def fail(self, error: BaseException) -> None:
         """This replica failed during the call: release the other replicas of its round, and,
@@ -135,15 +136,17 @@ class Synchronizer:
         stats.check_values_per_channel(sum(part.count for part in parts), self.layer, [p.input_shape for p in parts], what)
         return stats.merge(parts)
 
-    def _sum_parts(self, parts: list[tuple[Tensor, Any]]) -> tuple[Tensor, Any]:
-        """On the master: the replicas' tensors summed in replica order on the first one's device,
-        then over the ranks (one all_reduce)."""
+    def _sum_parts(self, parts: list[tuple[Tensor, Tensor, Any]]) -> tuple[Tensor, Tensor, Any]:
+        """On the master: the replicas' (sum_dy, sum_dy_xmu) summed in replica order on the first
+        one's device, then over the ranks (one all_reduce of both)."""
         device = parts[0][0].device
-        fetched = [devices.fetch(t, device, ready) for t, ready in parts]
-        total = fetched[0] if len(fetched) == 1 else torch.stack(fetched).sum(0)
+        totals = []
+        for k in (0, 1):
+            fetched = [devices.fetch(part[k], device, part[2]) for part in parts]
+            totals.append(fetched[0] if len(fetched) == 1 else torch.stack(fetched).sum(0))
         if self.process_call is not None:
-            total = all_reduce_sums(total, self.process_call)
-        return total, devices.mark_ready(total)
+            totals = list(all_reduce_sums(torch.cat(totals), self.process_call).chunk(2))
+        return totals[0], totals[1], devices.mark_ready(totals[1])
 
 
 def _on_one_device(parts: list[LocalStats]) -> list[LocalStats]:

@@ -201,7 +201,7 @@ class SyncBatchNorm(_BatchNorm):
                 f"{self._label()}: expected {self.num_features} channels in dim 1, "
                 f"got input of size {tuple(input.shape)}"
             )
-        if not input.is_floating_point():
+        if not input.dtype.is_floating_point:  # the dtype's flag: no call into torch
             raise RuntimeError(f"{self._label()}: expected a floating point input, got {input.dtype}")
         # one parameter or buffer stands for all of them: this runs on every call
         name, tensor = ("weight", self.weight) if self.affine else ("running_mean", self.running_mean)

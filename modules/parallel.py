@@ -200,6 +200,30 @@ def _run_in_threads(jobs: Sequence[Callable[[], T]], rounds: Sequence[ReplicaRou
     return results
 
 
+_LONE_TENSOR = "a lone tensor"
+_TENSOR_ARGS = "positional tensors only"
+
+
+def _flatten(tree: Any) -> tuple[list[Any], Any]:
+    """``tree_flatten``, with the common cases made without pytree's Python per node (it runs for
+    every replica at every step): a lone tensor, and ``(args, {})`` with tensor ``args``."""
+    if isinstance(tree, Tensor):
+        return [tree], _LONE_TENSOR
+    if type(tree) is tuple and len(tree) == 2 and type(tree[0]) is tuple and tree[1] == {}:
+        if all(isinstance(arg, Tensor) for arg in tree[0]):
+            return list(tree[0]), (_TENSOR_ARGS, len(tree[0]))
+    return tree_flatten(tree)
+
+
+def _unflatten(flat: list[Any], spec: Any) -> Any:
+    """The inverse of :func:`_flatten`."""
+    if spec is _LONE_TENSOR:
+        return flat[0]
+    if isinstance(spec, tuple) and spec[0] is _TENSOR_ARGS:
+        return tuple(flat), {}
+    return tree_unflatten(flat, spec)
+
+
 def _gather(values: Sequence[Any], device: torch.device, dim: int) -> Any:
     """Tensors are concatenated along ``dim`` (scalars stacked); other values must agree."""
     first = values[0]
@@ -207,6 +231,37 @@ def _gather(values: Sequence[Any], device: torch.device, dim: int) -> Any:
         moved = [v.to(device) for v in values]
         return torch.stack(moved) if first.dim() == 0 else torch.cat(moved, dim)
     return first if all(v is first or v == first for v in values) else list(values)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A tensor's size, strides, dtype and device, without the tensor: what the backward needs to
+    make a gradient buffer laid out like a source that the graph must not keep."""
+
+    size: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    dense: bool
+    """Whether the strides are those of a non-overlapping, dense tensor (as torch.empty_like
+    keeps them); else the buffer is contiguous."""
+
+    @classmethod
+    def of(cls, t: Tensor) -> "_Layout":
+        dense = t.is_contiguous() or any(
+            t.dim() == rank and t.is_contiguous(memory_format=layout)
+            for rank, layout in ((4, torch.channels_last), (5, torch.channels_last_3d))
+        )
+        return cls(t.size(), t.stride(), t.dtype, t.device, dense)
+
+    def new(self, zeroed: bool) -> Tensor:
+        """A tensor of this layout (torch.empty_strided: a meta tensor's empty_like would take
+        torch's Python reference path, about 100 us a call)."""
+        if self.dense:
+            t = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+        else:
+            t = torch.empty(self.size, dtype=self.dtype, device=self.device)
+        return t.zero_() if zeroed else t
 
 
 @dataclass(frozen=True)
@@ -252,11 +307,10 @@ class _ReplicaRun:
         self.input_leaves = input_leaves  # per replica
         self.pieces = pieces  # per replica, aligned with input_leaves
         # shapes, dtypes and strides of the sources, not the sources: the graph must not keep them
-        self.source_likes = [torch.empty_like(t, device="meta") for t in sources]
+        self.source_layouts = [_Layout.of(t) for t in sources]
         # aliases sharing each source's version counter (and memory, which the leaves hold anyway)
         self.source_aliases = [t.detach() for t in sources]
         self.source_versions = [t._version for t in sources]
-        self.source_devices = [t.device for t in sources]
         self.param_leaves = param_leaves  # per replica, aligned with params
         self.params, self.devices, self.rounds, self.dim = params, devices, rounds, dim
 
@@ -282,25 +336,40 @@ class _ReplicaRun:
         return buffer.narrow(self.dim, piece.start, piece.size)  # type: ignore[arg-type]
 
     def _grads_of_replica(
-        self, outs: list[Tensor], grads: Sequence[Tensor], j: int, state: _ThreadState, buffers: list[Tensor | None]
+        self, outs: list[Tensor], out_grads: list[Tensor], first_rows: list[Tensor | None], j: int, state: _ThreadState
     ) -> list[Any]:
-        """Replica j's gradients for its input leaves, then its parameter leaves. Where a leaf's
-        rows go into a source's buffer on the same device, they are written there now, and the
-        leaf's entry says ``_WRITTEN``."""
-        out_grads = [self._slice(grad, p, j) for p, grad in enumerate(grads) if self.requires_grad[p][j]]
+        """Replica j's gradients for its input leaves, then its parameter leaves, from its outputs'
+        gradients ``out_grads``. Where ``first_rows`` gives a leaf the rows of its source's buffer
+        (see :meth:`_first_rows`), they are written there now, and the leaf's entry says
+        ``_WRITTEN``."""
         leaves = self.input_leaves[j] + self.param_leaves[j]
         if not outs or not leaves:
             return [None] * len(leaves)
         with state.on(self.devices[j]):
-            out_grads = [g.to(self.devices[j]) for g in out_grads]
+            out_grads = [g if g.device == self.devices[j] else g.to(self.devices[j]) for g in out_grads]
             # retained: the outer graph decides when the replicas' graphs go (see the class)
             result: list[Any] = list(torch.autograd.grad(outs, leaves, out_grads, retain_graph=True, allow_unused=True))
-            for i, piece in enumerate(self.pieces[j]):
-                buffer = buffers[piece.source]
-                if self._writes_first(j, i) and result[i] is not None and buffer is not None and result[i].device == buffer.device:
-                    self._rows(buffer, piece).copy_(result[i])
+            for i, rows in enumerate(first_rows):
+                if rows is not None and result[i] is not None:
+                    rows.copy_(result[i])
                     result[i] = _WRITTEN
         return result
+
+    def _out_grads(self, grads: Sequence[Tensor], j: int) -> list[Tensor]:
+        """Replica j's rows of the gradients of the gathered outputs that its outputs require."""
+        return [self._slice(grad, p, j) for p, grad in enumerate(grads) if self.requires_grad[p][j]]
+
+    def _first_rows(self, buffers: list[Tensor | None], j: int) -> list[Tensor | None]:
+        """Per input leaf of replica j: the rows of its source's buffer that the replica's thread
+        writes its gradient into, where the buffer is on the leaf's device and the leaf is the
+        first of its replica at those rows; else None. Made here, by the thread that runs the
+        backward, so that the replica threads make fewer calls that hand the GIL around."""
+        rows: list[Tensor | None] = []
+        for i, (leaf, piece) in enumerate(zip(self.input_leaves[j], self.pieces[j])):
+            buffer = buffers[piece.source]
+            writes = self._writes_first(j, i) and buffer is not None and buffer.device == leaf.device
+            rows.append(self._rows(buffer, piece) if writes else None)  # type: ignore[arg-type]
+        return rows
 
     def _writes_first(self, j: int, i: int) -> bool:
         """Whether replica j's leaf i is the first of its replica cut at its rows (a tensor
@@ -320,7 +389,7 @@ class _ReplicaRun:
                 elif grad is None:
                     continue
                 elif piece.start is None:
-                    grad = grad.to(self.source_devices[piece.source])
+                    grad = grad.to(self.source_layouts[piece.source].device)
                     whole[piece.source] = grad if whole[piece.source] is None else whole[piece.source] + grad
                 elif piece in written[piece.source]:
                     self._rows(buffers[piece.source], piece).add_(grad)  # type: ignore[arg-type]
@@ -344,8 +413,8 @@ class _ReplicaRun:
         """Whether the replicas' pieces cover every row of source k (not where a tensor with fewer
         rows cut the replicas to fewer chunks): the uncovered rows' gradient is zero."""
         starts = {(p.start, p.size) for pieces in self.pieces for p in pieces if p.source == k and p.start is not None}
-        like = self.source_likes[k]
-        return sum(size for _, size in starts) == like.size(self.dim % like.dim())
+        size = self.source_layouts[k].size
+        return sum(rows for _, rows in starts) == size[self.dim % len(size)]
 
     def _check_sources_unchanged(self) -> None:
         """As autograd refuses saved tensors modified in place: the replicas saw the sources'
@@ -367,12 +436,13 @@ class _ReplicaRun:
         cut = {piece.source for pieces in self.pieces for piece in pieces if piece.start is not None}
         self._check_sources_unchanged()
         buffers = [
-            (torch.empty_like if self._covered(k) else torch.zeros_like)(like, device=device) if k in cut else None
-            for k, (like, device) in enumerate(zip(self.source_likes, self.source_devices))
+            layout.new(zeroed=not self._covered(k)) if k in cut else None for k, layout in enumerate(self.source_layouts)
         ]
         state = _ThreadState(self.devices)  # the backward's own grad mode and autocast
         jobs = [
-            lambda j=j: self._grads_of_replica(per_replica_outs[j], grads, j, state, buffers)
+            lambda j=j, g=self._out_grads(grads, j), rows=self._first_rows(buffers, j): self._grads_of_replica(
+                per_replica_outs[j], g, rows, j, state
+            )
             for j in range(len(self.devices))
         ]
         per_replica = _run_in_threads(jobs, self.rounds)
@@ -504,7 +574,7 @@ class ThreadedDataParallel(nn.Module):
         results = _run_in_threads(jobs, rounds)
         _record_in_place_writes(input_leaves, pieces, sources)
 
-        flat_outputs, specs = zip(*(tree_flatten(out) for out in results))
+        flat_outputs, specs = zip(*(_flatten(out) for out in results))
         if any(spec != specs[0] for spec in specs):
             raise RuntimeError("ThreadedDataParallel: replicas returned outputs of different structures")
         all_params = list(self.module.parameters())
@@ -532,7 +602,7 @@ class ThreadedDataParallel(nn.Module):
         ]
         for k, tensor in zip(run.tensor_positions, gathered):
             flat[k] = tensor
-        return tree_unflatten(flat, specs[0])
+        return _unflatten(flat, specs[0])
 
     def _detached_inputs(
         self, args: tuple, kwargs: dict, cuts: Cuts, sources: list[Tensor], state: _ThreadState
@@ -540,7 +610,7 @@ class ThreadedDataParallel(nn.Module):
         """One replica's arguments, each tensor whose source requires grad replaced by a
         :class:`_ReplicaInput` of a fresh leaf; the leaves, and where each came from (its source
         is added to ``sources`` the first time it is seen)."""
-        flat, spec = tree_flatten((args, kwargs))
+        flat, spec = _flatten((args, kwargs))
         leaves, pieces = [], []
         for i, value in enumerate(flat):
             if not (isinstance(value, Tensor) and state.grad_enabled):
@@ -558,7 +628,7 @@ class ThreadedDataParallel(nn.Module):
             # a leaf source: the replica's own leaf, which refuses an in-place write before it is
             # made, as the caller's leaf would; else a non-leaf alias that takes it
             flat[i] = leaves[-1] if source.is_leaf else _ReplicaInput.apply(leaves[-1])
-        args, kwargs = tree_unflatten(flat, spec)
+        args, kwargs = _unflatten(flat, spec)
         return args, kwargs, leaves, pieces
 
     @staticmethod

@@ -257,6 +257,18 @@ def test_input_gradient_keeps_the_channels_last_layout() -> None:
     torch.testing.assert_close(grad, torch.full_like(x, 2.0))
 
 
+def test_input_gradient_of_a_strided_view_that_is_not_dense() -> None:
+    # the gradient buffer of a source whose strides are not a dense layout's is made contiguous
+    # (as torch.empty_like makes it), and every replica's rows land at the right place
+    base = torch.randn(9, 6, 5, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, dtype=torch.float64)
+    x = base[:, ::2]  # (9, 3, 5), strides (30, 10, 1)
+    out = ThreadedDataParallel(nn.Identity(), ["cpu"] * 4)(x)
+    (grad,) = torch.autograd.grad((out * weight).square().sum(), base)
+    (expected,) = torch.autograd.grad((x * weight).square().sum(), base)
+    torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+
+
 def test_small_batch_with_non_tensor_keyword_arguments() -> None:
     class Model(nn.Module):
         def forward(self, x, scale=1.0):
