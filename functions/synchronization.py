@@ -137,16 +137,16 @@ class Synchronizer:
         return stats.merge(parts)
 
     def _sum_parts(self, parts: list[tuple[Tensor, Tensor, Any]]) -> tuple[Tensor, Tensor, Any]:
-        """On the master: the replicas' (sum_dy, sum_dy_xmu) summed in replica order on the first
-        one's device, then over the ranks (one all_reduce of both)."""
+        """On the master: the replicas' (sum_dy, sum_dy_xmu), each pair as one ``(2C,)`` row,
+        summed in replica order on the first one's device, then over the ranks (one
+        all_reduce)."""
         device = parts[0][0].device
-        totals = []
-        for k in (0, 1):
-            fetched = [devices.fetch(part[k], device, part[2]) for part in parts]
-            totals.append(fetched[0] if len(fetched) == 1 else torch.stack(fetched).sum(0))
+        rows = [torch.cat([devices.fetch(dy, device, ready), devices.fetch(dy_xmu, device, ready)]) for dy, dy_xmu, ready in parts]
+        total = rows[0] if len(rows) == 1 else torch.stack(rows).sum(0)
         if self.process_call is not None:
-            totals = list(all_reduce_sums(torch.cat(totals), self.process_call).chunk(2))
-        return totals[0], totals[1], devices.mark_ready(totals[1])
+            total = all_reduce_sums(total, self.process_call)
+        total_dy, total_dy_xmu = total.chunk(2)
+        return total_dy, total_dy_xmu, devices.mark_ready(total)
 
 
 def _on_one_device(parts: list[LocalStats]) -> list[LocalStats]:

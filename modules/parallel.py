@@ -209,7 +209,7 @@ def _flatten(tree: Any) -> tuple[list[Any], Any]:
     every replica at every step): a lone tensor, and ``(args, {})`` with tensor ``args``."""
     if isinstance(tree, Tensor):
         return [tree], _LONE_TENSOR
-    if type(tree) is tuple and len(tree) == 2 and type(tree[0]) is tuple and tree[1] == {}:
+    if type(tree) is tuple and len(tree) == 2 and type(tree[0]) is tuple and type(tree[1]) is dict and not tree[1]:
         if all(isinstance(arg, Tensor) for arg in tree[0]):
             return list(tree[0]), (_TENSOR_ARGS, len(tree[0]))
     return tree_flatten(tree)
@@ -231,37 +231,6 @@ def _gather(values: Sequence[Any], device: torch.device, dim: int) -> Any:
         moved = [v.to(device) for v in values]
         return torch.stack(moved) if first.dim() == 0 else torch.cat(moved, dim)
     return first if all(v is first or v == first for v in values) else list(values)
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """A tensor's size, strides, dtype and device, without the tensor: what the backward needs to
-    make a gradient buffer laid out like a source that the graph must not keep."""
-
-    size: torch.Size
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-    dense: bool
-    """Whether the strides are those of a non-overlapping, dense tensor (as torch.empty_like
-    keeps them); else the buffer is contiguous."""
-
-    @classmethod
-    def of(cls, t: Tensor) -> "_Layout":
-        dense = t.is_contiguous() or any(
-            t.dim() == rank and t.is_contiguous(memory_format=layout)
-            for rank, layout in ((4, torch.channels_last), (5, torch.channels_last_3d))
-        )
-        return cls(t.size(), t.stride(), t.dtype, t.device, dense)
-
-    def new(self, zeroed: bool) -> Tensor:
-        """A tensor of this layout (torch.empty_strided: a meta tensor's empty_like would take
-        torch's Python reference path, about 100 us a call)."""
-        if self.dense:
-            t = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
-        else:
-            t = torch.empty(self.size, dtype=self.dtype, device=self.device)
-        return t.zero_() if zeroed else t
 
 
 @dataclass(frozen=True)
@@ -306,9 +275,9 @@ class _ReplicaRun:
         self.requires_grad = [[v.requires_grad for v in values] for values in self.values]
         self.input_leaves = input_leaves  # per replica
         self.pieces = pieces  # per replica, aligned with input_leaves
-        # shapes, dtypes and strides of the sources, not the sources: the graph must not keep them
-        self.source_layouts = [_Layout.of(t) for t in sources]
-        # aliases sharing each source's version counter (and memory, which the leaves hold anyway)
+        # aliases sharing each source's version counter (and memory, which the leaves hold anyway),
+        # not the sources: the graph must not keep them. They also give the gradient buffers their
+        # size, dtype, device and layout (empty_like's)
         self.source_aliases = [t.detach() for t in sources]
         self.source_versions = [t._version for t in sources]
         self.param_leaves = param_leaves  # per replica, aligned with params
@@ -389,7 +358,7 @@ class _ReplicaRun:
                 elif grad is None:
                     continue
                 elif piece.start is None:
-                    grad = grad.to(self.source_layouts[piece.source].device)
+                    grad = grad.to(self.source_aliases[piece.source].device)
                     whole[piece.source] = grad if whole[piece.source] is None else whole[piece.source] + grad
                 elif piece in written[piece.source]:
                     self._rows(buffers[piece.source], piece).add_(grad)  # type: ignore[arg-type]
@@ -413,8 +382,8 @@ class _ReplicaRun:
         """Whether the replicas' pieces cover every row of source k (not where a tensor with fewer
         rows cut the replicas to fewer chunks): the uncovered rows' gradient is zero."""
         starts = {(p.start, p.size) for pieces in self.pieces for p in pieces if p.source == k and p.start is not None}
-        size = self.source_layouts[k].size
-        return sum(rows for _, rows in starts) == size[self.dim % len(size)]
+        source = self.source_aliases[k]
+        return sum(size for _, size in starts) == source.size(self.dim % source.dim())
 
     def _check_sources_unchanged(self) -> None:
         """As autograd refuses saved tensors modified in place: the replicas saw the sources'
@@ -436,7 +405,8 @@ class _ReplicaRun:
         cut = {piece.source for pieces in self.pieces for piece in pieces if piece.start is not None}
         self._check_sources_unchanged()
         buffers = [
-            layout.new(zeroed=not self._covered(k)) if k in cut else None for k, layout in enumerate(self.source_layouts)
+            (torch.empty_like if self._covered(k) else torch.zeros_like)(source) if k in cut else None
+            for k, source in enumerate(self.source_aliases)
         ]
         state = _ThreadState(self.devices)  # the backward's own grad mode and autocast
         jobs = [

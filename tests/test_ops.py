@@ -126,7 +126,9 @@ def test_kernels_release_the_gil() -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        kernel = max(share_of_a_counting_thread(lambda: OPS.local_stats(x)) for _ in range(3))
+        # the best of five: another process on the same cores can starve the counter in one try
+        # (seen when two suites ran at once), but a kernel that holds the GIL never lets it count
+        kernel = max(share_of_a_counting_thread(lambda: OPS.local_stats(x)) for _ in range(5))
     finally:
         torch.set_num_threads(threads)
     # the same measure of a C call that holds the GIL for about as long

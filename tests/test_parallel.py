@@ -257,16 +257,35 @@ def test_input_gradient_keeps_the_channels_last_layout() -> None:
     torch.testing.assert_close(grad, torch.full_like(x, 2.0))
 
 
-def test_input_gradient_of_a_strided_view_that_is_not_dense() -> None:
-    # the gradient buffer of a source whose strides are not a dense layout's is made contiguous
-    # (as torch.empty_like makes it), and every replica's rows land at the right place
-    base = torch.randn(9, 6, 5, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(5, dtype=torch.float64)
-    x = base[:, ::2]  # (9, 3, 5), strides (30, 10, 1)
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(9, 5, 3, dtype=torch.float64).transpose(1, 2),  # dense, not contiguous: (N, L, C) fed as (N, C, L)
+        lambda: torch.randn(9, 6, 5, dtype=torch.float64)[:, ::2],  # not dense
+        lambda: torch.randn(9, 6, 10, 3, dtype=torch.float64).permute(0, 3, 1, 2)[..., ::2],  # not dense, channels_last-like
+    ],
+    ids=["transposed", "strided", "strided-channels-last"],
+)
+def test_input_gradient_of_a_strided_input_is_exact_and_laid_out_as_empty_like(make) -> None:
+    x = make().requires_grad_()
+    weight = torch.randn(x.size(-1), dtype=torch.float64)
     out = ThreadedDataParallel(nn.Identity(), ["cpu"] * 4)(x)
-    (grad,) = torch.autograd.grad((out * weight).square().sum(), base)
-    (expected,) = torch.autograd.grad((x * weight).square().sum(), base)
+    (grad,) = torch.autograd.grad((out * weight).square().sum(), x)
+    (expected,) = torch.autograd.grad((x * weight).square().sum(), x)
     torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+    assert grad.stride() == torch.empty_like(x).stride()
+
+
+def test_output_containers_keep_their_types() -> None:
+    from collections import OrderedDict
+
+    class Model(nn.Module):
+        def forward(self, x):
+            return (x, 2 * x), OrderedDict()
+
+    (a, b), empty = ThreadedDataParallel(Model(), ["cpu"] * 2)(torch.arange(4.0))
+    assert type(empty) is OrderedDict and not empty
+    torch.testing.assert_close(b, 2 * a)
 
 
 def test_small_batch_with_non_tensor_keyword_arguments() -> None:
