@@ -5,8 +5,10 @@ The dispatcher picks the kernel by the tensors' device; this module decides what
 - CPU: the compiled kernels (``src/cpu``, built into ``functions/_C_<capability>`` by
   ``setup.py``), the best build for an instruction set that this CPU has; importing it registers
   them. Where none is built, the pure-PyTorch reference serves (with one warning).
-- CUDA: by default torch's own SyncBN CUDA ops serve the elementwise and backward operators
-  (registered here for the CUDA key), the reference the rest; our CUDA kernels (``src/cuda``,
+- CUDA: by default torch's own SyncBN CUDA ops serve the statistics, elementwise and backward
+  operators (registered here for the CUDA key: :data:`TORCH_CUDA_OPS`, each one pass over
+  memory, no host synchronization), the reference the rest (the fused residual and activation
+  forms, the merge, the running-statistics update); our CUDA kernels (``src/cuda``,
   built into ``functions/_C_cuda`` where torch is a CUDA build and a toolkit is found) are loaded
   and registered only with ``SYNCBN_CUDA_KERNELS=compiled`` (opt-in until they have passed the
   suite on a GPU).
@@ -25,6 +27,7 @@ from types import ModuleType
 import torch
 
 from . import ops, reference
+from .reference import values_per_channel
 
 # Instruction sets the CPU kernels may be built for, weakest first (see setup.py).
 CPU_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")
@@ -38,7 +41,23 @@ CUDA_BUILD_HINT = (
 
 
 # torch's CUDA ops reshape to (N, C, -1), which fails on an empty batch (torch's own SyncBN
-# guards them the same way).
+# guards them the same way). None of these reads a device value on the host.
+
+
+def _torch_cuda_local_stats(x):
+    """One pass (``torch.batch_norm_stats``, Welford in the accumulation dtype) instead of the
+    reference's four: mean and M2 = count * var, var recovered as 1 / invstd^2 with eps = 0
+    (torch gives invstd 0 where var is 0). The mean is as good as torch's own SyncBN's (float32
+    for float32 and half inputs, float64 for float64), M2 within a few float32 ulps of the
+    biased variance; the reference's float64 residue correction is not made."""
+    count = values_per_channel(x)
+    if count == 0:
+        zeros = x.new_zeros(x.size(1), dtype=reference.STATS_DTYPE)
+        return zeros, zeros.clone()
+    mean, invstd = torch.batch_norm_stats(x, 0.0)
+    invstd = invstd.to(reference.STATS_DTYPE)
+    m2 = torch.where(invstd == 0, 0.0, count / invstd.square())  # nan (an inf in the channel) stays
+    return mean.to(reference.STATS_DTYPE), m2
 
 
 def _torch_cuda_elemt_forward(x, mean, invstd, weight, bias, residual=None, negative_slope=None):
@@ -63,18 +82,25 @@ def _torch_cuda_backward_reduce(dy, x, mean):
 def _torch_cuda_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
     if x.numel() == 0:
         return torch.empty_like(x)
+    if count > INT32_MAX:  # torch's op sums int32 counts: the reference takes what it cannot
+        return reference.backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count)
     if weight is not None and weight.dtype != mean.dtype:
         weight = weight.to(mean.dtype)
-    counts = torch.tensor([count], dtype=torch.int32, device=x.device)
+    # a fill kernel, not torch.tensor([count], device=...): that copies from pageable memory,
+    # which waits for the stream to drain
+    counts = torch.full((1,), count, dtype=torch.int32, device=x.device)
     return torch.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, counts)
 
 
+INT32_MAX = 2**31 - 1
+
 TORCH_CUDA_OPS = {
+    "local_stats": _torch_cuda_local_stats,
     "elemt_forward": _torch_cuda_elemt_forward,
     "backward_reduce": _torch_cuda_backward_reduce,
     "backward_elemt": _torch_cuda_backward_elemt,
 }
-"""torch's SyncBN CUDA ops, as kernels of our operators (the reference serves the others)."""
+"""torch's SyncBN CUDA ops, as the CUDA kernels of our operators (the reference serves the others)."""
 
 
 def usable_cpu_capabilities() -> list[str]:

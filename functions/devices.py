@@ -1,7 +1,7 @@
 """Moving per-channel statistics between the devices of one process's replicas (DataParallel
 on GPUs) in stream order, without host synchronization.
 
-Two facts of torch's CUDA copies decide how:
+Three facts of torch's CUDA copies and allocator decide how:
 
 - ``Tensor.to(other_cuda_device)`` runs on the *calling thread's* current stream of the source
   device and waits for the destination's current stream; it never blocks the host. Replicas run
@@ -11,11 +11,17 @@ Two facts of torch's CUDA copies decide how:
   (:func:`mark_ready`), the copier makes its stream on the source device wait for it
   (:func:`fetch`). With every thread on the devices' default streams the event is redundant but
   free (no host wait).
-- ``torch.tensor(list_of_counts, device="cuda")`` copies from pageable host memory, which waits
-  for the device's stream to drain: a host synchronization in the middle of the forward.
-  :func:`counts_on` copies from pinned memory with ``non_blocking=True`` instead.
+- The caching allocator hands a freed block back to the stream it was made on, at once: when the
+  producer drops a tensor that another stream still copies from, its memory could be reused
+  before the copy has run. :func:`fetch` marks the source as used on the copying stream
+  (``record_stream``), so the allocator waits for that stream first.
+- ``torch.tensor(values, device="cuda")`` copies from pageable host memory, which waits for the
+  device's stream to drain: a host synchronization in the middle of the step.
+  :func:`host_values_on` copies from pinned memory with ``non_blocking=True`` instead.
 
-On CPU tensors every function here is a plain ``.to``/``torch.tensor``.
+On CPU tensors every function here is a plain ``.to``/``torch.tensor``. A copy to the CPU from a
+GPU is a host synchronization by nature (the host reads it next): only mixed CPU and GPU
+replicas make one.
 """
 from __future__ import annotations
 
@@ -36,24 +42,29 @@ def mark_ready(tensor: Tensor) -> "torch.cuda.Event | None":
 
 
 def fetch(tensor: Tensor, device: torch.device | str, ready: "torch.cuda.Event | None" = None) -> Tensor:
-    """``tensor`` on ``device``: a peer copy (non-blocking for the host) that starts after
-    ``ready`` (from :func:`mark_ready` on the producing thread); ``tensor`` itself when it is
-    already there."""
+    """``tensor`` on ``device``: a copy that starts after ``ready`` (from :func:`mark_ready` on
+    the producing thread) and keeps the source's memory until it has run; non-blocking for the
+    host between GPUs; ``tensor`` itself when it is already there."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if tensor.device == device:
         return tensor
-    if ready is not None and tensor.device.type == "cuda":
-        torch.cuda.current_stream(tensor.device).wait_event(ready)
-    return tensor.to(device, non_blocking=True)
+    if tensor.device.type != "cuda":
+        return tensor.to(device, non_blocking=device.type == "cuda")
+    copying_stream = torch.cuda.current_stream(tensor.device)
+    if ready is not None:
+        copying_stream.wait_event(ready)
+    copy = tensor.to(device, non_blocking=device.type == "cuda")  # to the host: it reads it next
+    tensor.record_stream(copying_stream)
+    return copy
 
 
-def counts_on(counts: Sequence[int], device: torch.device | str, dtype: torch.dtype = torch.float64) -> Tensor:
-    """The replicas' counts as a ``(R,)`` tensor on ``device``, copied from pinned host memory
-    without waiting for the device (the pinned block is kept until the copy has run by torch's
-    caching host allocator)."""
-    host = torch.tensor(list(counts), dtype=dtype)
+def host_values_on(values: Sequence[float], device: torch.device | str, dtype: torch.dtype = torch.float64) -> Tensor:
+    """Host numbers (the replicas' counts, a collective's header) as a 1-D tensor on ``device``,
+    copied from pinned host memory without waiting for the device (torch's caching host
+    allocator keeps the pinned block until the copy has run)."""
+    host = torch.tensor(list(values), dtype=dtype)
     device = torch.device(device)
     if device.type != "cuda":
         return host.to(device)

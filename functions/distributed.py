@@ -8,6 +8,9 @@ so that every rank holds every rank's (count, mean, M2) and merges them in rank 
 arithmetic on every rank: identical statistics, identical running stats). The header lets every
 rank check, on the same gathered data and so with the same verdict, that all ranks are at the
 same call of the same layer, with inputs of one dtype, and that none failed before the exchange.
+The merge, the global count and the checks' verdicts are computed on the collective's device;
+nothing is read on the host per layer but where :mod:`functions.checks` says (at once for CPU
+tensors or ``SYNCBN_CHECKS=layer``, deferred on CUDA by default).
 
 Backward: ONE all_reduce (sum) of the float64 row [sum_dy (C), sum_dy_xmu (C), id, id^2, n, n^2]
 (layer id and call number n). All ranks agree iff count * sum(v^2) == sum(v)^2 for each of the
@@ -29,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import checks, devices, stats
 from .stats import LocalStats
 
 SHAPE_DIMS = 8  # input dims carried for error messages; further dims are dropped
@@ -100,7 +104,7 @@ def _stats_row(local: LocalStats, call: ProcessGroupCall, failed: bool) -> Tenso
         local.count,
     ]
     mean = local.mean.to(torch.float64)
-    head = torch.tensor(header, dtype=torch.float64, device=mean.device)
+    head = devices.host_values_on(header, mean.device)  # pinned, non-blocking: no drain
     return torch.cat([head, mean, local.m2.to(torch.float64)])
 
 
@@ -118,51 +122,74 @@ def _all_gather_rows(row: Tensor, group: Any) -> Tensor:
     return torch.stack(parts)
 
 
-def _rows_to_stats(rows: Tensor, channels: int) -> list[LocalStats]:
-    stats = []
-    for row in rows:
-        head = [int(v) for v in row[:HEADER_SIZE].tolist()]
-        ndim = head[4]
-        shape = torch.Size(head[5 : 5 + min(ndim, SHAPE_DIMS)])
-        dtype = _DTYPES[head[3]] if 0 <= head[3] < len(_DTYPES) else torch.float32
-        mean = row[HEADER_SIZE : HEADER_SIZE + channels]
-        m2 = row[HEADER_SIZE + channels :]
-        stats.append(LocalStats(head[-1], mean.clone(), m2.clone(), dtype, shape))
-    return stats
+_FORWARD_FLAGS = 4  # a rank failed, calls differ, dtypes differ, one value per channel
 
 
-def _check_rows_agree(rows: Tensor, call: ProcessGroupCall) -> None:
-    """The same verdict on every rank: they all hold the same rows."""
-    heads = rows[:, :4].tolist()
-    failed = [rank for rank, head in enumerate(heads) if head[2]]
+def _forward_verdict(heads: Tensor) -> Tensor:
+    """On the device, from the gathered headers ``(world, HEADER_SIZE)``: the four flags, the
+    total count, then the headers themselves (for the message), as one float64 row."""
+    total = heads[:, -1].sum()
+    flags = torch.stack(
+        [
+            (heads[:, 2] != 0).any(),
+            (heads[:, :2] != heads[:1, :2]).any(),
+            (heads[:, 3] != heads[:1, 3]).any(),
+            total == 1,
+        ]
+    )
+    return torch.cat([flags.to(heads.dtype), total.unsqueeze(0), heads.flatten()])
+
+
+def _explain_forward(call: ProcessGroupCall, values: list[float]) -> BaseException | None:
+    """The error that a forward verdict read on the host stands for (the same on every rank:
+    they all hold the same rows), or None."""
+    failed, calls_differ, dtypes_differ, one_value = values[:_FORWARD_FLAGS]
+    if not (failed or calls_differ or dtypes_differ or one_value):
+        return None
+    flat = values[_FORWARD_FLAGS + 1 :]
+    heads = [[int(v) for v in flat[i : i + HEADER_SIZE]] for i in range(0, len(flat), HEADER_SIZE)]
     if failed:
-        raise RuntimeError(
-            f"{call.layer}: rank(s) {failed} of the process group failed before this exchange "
+        ranks = [rank for rank, head in enumerate(heads) if head[2]]
+        return RuntimeError(
+            f"{call.layer}: rank(s) {ranks} of the process group failed before this exchange "
             "(their own error says why: bad input)"
         )
-    ids = [(int(h[0]), int(h[1])) for h in heads]
-    if any(i != ids[0] for i in ids):
-        raise RuntimeError(
+    if calls_differ:
+        ids = [(head[0], head[1]) for head in heads]
+        return RuntimeError(
             f"{call.layer}: ranks are at different synchronized calls (layer id, call number per "
             f"rank: {ids}); this rank is at call {call.number} of {call.layer}. Every rank must "
             "call each synchronized layer the same number of times, in the same order."
         )
-    dtypes = [int(h[3]) for h in heads]
-    if any(d != dtypes[0] for d in dtypes):
-        names = [str(_DTYPES[d]) if 0 <= d < len(_DTYPES) else "?" for d in dtypes]
-        raise RuntimeError(f"{call.layer}: ranks disagree on the input dtype: {names} (per rank)")
+    if dtypes_differ:
+        names = [str(_DTYPES[h[3]]) if 0 <= h[3] < len(_DTYPES) else "?" for h in heads]
+        return RuntimeError(f"{call.layer}: ranks disagree on the input dtype: {names} (per rank)")
+    shapes = ", ".join(str(tuple(head[5 : 5 + min(head[4], SHAPE_DIMS)])) for head in heads)
+    return ValueError(
+        f"{call.layer}: Expected more than 1 value per channel when training, got input size "
+        f"{shapes} over {len(heads)} ranks"
+    )
 
 
-def all_gather_stats(local: LocalStats, call: ProcessGroupCall) -> list[LocalStats]:
-    """Every rank's (count, mean, M2), in rank order, from one all_gather.
+def all_gather_stats(local: LocalStats, call: ProcessGroupCall) -> tuple[int | Tensor, Tensor, Tensor]:
+    """The global count, mean and biased variance over every rank, from one all_gather of each
+    rank's (count, mean, M2), merged in rank order on every rank (identical results).
 
     ``local.mean`` and ``local.m2`` are ``(C,)`` float64 on the collective's device (the current
-    CUDA device for NCCL, the CPU for Gloo). Raises RuntimeError on every rank alike when the
-    ranks are at different calls, disagree on the dtype, or one reported a failure.
+    CUDA device for NCCL, the CPU for Gloo); so are the mean and variance returned. The count is
+    an int where the checks are read at once (:mod:`functions.checks`), else a 0-dim float64
+    tensor on that device, never read on the host. The checks raise alike on every rank when the
+    ranks are at different calls, disagree on the dtype, one reported a failure, or they hold
+    one value per channel between them.
     """
+    checks.poll()
     rows = _all_gather_rows(_stats_row(local, call, failed=False), call.group)
-    _check_rows_agree(rows, call)
-    return _rows_to_stats(rows, local.mean.numel())
+    read = checks.verify(_forward_verdict(rows[:, :HEADER_SIZE]), lambda values: _explain_forward(call, values))
+    channels = local.mean.numel()
+    counts = rows[:, HEADER_SIZE - 1]
+    means, m2s = rows[:, HEADER_SIZE : HEADER_SIZE + channels], rows[:, HEADER_SIZE + channels :]
+    total, mean, var = stats.merge_on_device(counts, means, m2s)
+    return (total if read is None else int(read[_FORWARD_FLAGS])), mean, var
 
 
 def report_failure(call: ProcessGroupCall, channels: int, device: torch.device) -> None:
@@ -173,21 +200,32 @@ def report_failure(call: ProcessGroupCall, channels: int, device: torch.device) 
     _all_gather_rows(_stats_row(failed, call, failed=True), call.group)
 
 
+def _backward_verdict(identity_sums: Tensor, world: int) -> Tensor:
+    """On the device: whether the ranks' layer ids, and their call numbers, differ (from the
+    sums of each and of its square, Cauchy-Schwarz)."""
+    ids, id_squares, numbers, number_squares = identity_sums.unbind()
+    return torch.stack([world * id_squares != ids.square(), world * number_squares != numbers.square()]).to(identity_sums.dtype)
+
+
+def _explain_backward(call: ProcessGroupCall, values: list[float]) -> BaseException | None:
+    if not any(values):
+        return None
+    return RuntimeError(
+        f"{call.layer}: ranks are at the backward of different synchronized calls (this rank: "
+        f"call {call.number}). Every rank must run the backward of the same layers in the same order."
+    )
+
+
 def all_reduce_sums(local: Tensor, call: ProcessGroupCall) -> Tensor:
     """The sum over the ranks of ``local`` (a ``(2C,)`` cat of sum_dy and sum_dy_xmu), from
-    one all_reduce in float64; returned in ``local``'s dtype. Raises RuntimeError on every rank
-    alike when the ranks are at the backward of different calls."""
+    one all_reduce in float64; returned in ``local``'s dtype. The checks raise alike on every
+    rank when the ranks are at the backward of different calls."""
     layer_id, number = float(call.layer_id), float(call.number % LAYER_ID_RANGE)
-    identity = torch.tensor([layer_id, layer_id**2, number, number**2], dtype=torch.float64, device=local.device)
+    identity = devices.host_values_on([layer_id, layer_id**2, number, number**2], local.device)
     row = torch.cat([local.to(torch.float64), identity])
     dist.all_reduce(row, group=call.group)
-    world = dist.get_world_size(call.group)
-    ids, id_squares, numbers, number_squares = row[-4:].tolist()
-    if world * id_squares != ids**2 or world * number_squares != numbers**2:
-        raise RuntimeError(
-            f"{call.layer}: ranks are at the backward of different synchronized calls (this rank: "
-            f"call {call.number}). Every rank must run the backward of the same layers in the same order."
-        )
+    verdict = _backward_verdict(row[-4:], dist.get_world_size(call.group))
+    checks.verify(verdict, lambda values: _explain_backward(call, values))
     return row[:-4].to(local.dtype)
 
 

@@ -233,19 +233,23 @@ def update_running_stats(
     momentum: float | None,
     mean: Tensor,
     var: Tensor,
-    count: int,
+    count: int | Tensor,
 ) -> None:
     """One step of nn.BatchNorm's running statistics, in place, from the batch's mean and biased var.
 
     running = (1 - factor) * running + factor * batch, with the unbiased var * N / (N - 1);
     factor is ``momentum``, or 1 / num_batches_tracked (after its increment: the cumulative
     average) when it is None, taken on the device (no host read). An empty batch only counts.
+    ``count`` may be a 0-dim tensor on the device (the operator takes an int): then an empty
+    or one-value batch is told apart on the device too, and leaves the statistics as they were
+    (the one-value error is the checks' business, :mod:`functions.checks`).
     """
     if num_batches_tracked is not None:
         num_batches_tracked.add_(1)
-    if running_mean is None or running_var is None or count == 0:
+    on_device = isinstance(count, Tensor)
+    if running_mean is None or running_var is None or (not on_device and count == 0):
         return
-    if count == 1:
+    if not on_device and count == 1:
         raise RuntimeError("syncbn.update_running_stats: the unbiased variance needs more than 1 value, got 1")
     if momentum is not None:
         factor: float | Tensor = momentum
@@ -253,9 +257,13 @@ def update_running_stats(
         factor = num_batches_tracked.to(mean.dtype).reciprocal()
     else:
         return
-    unbiased = var * (count / (count - 1))
-    running_mean.copy_(mean * factor + running_mean * (1 - factor))
-    running_var.copy_(unbiased * factor + running_var * (1 - factor))
+    n = count.to(var.dtype) if on_device else count
+    new_mean = mean * factor + running_mean * (1 - factor)
+    new_var = var * (n / (n - 1)) * factor + running_var * (1 - factor)
+    if on_device:
+        new_mean, new_var = torch.where(n > 1, new_mean, running_mean), torch.where(n > 1, new_var, running_var)
+    running_mean.copy_(new_mean)
+    running_var.copy_(new_var)
 
 
 def batch_norm_train(

@@ -54,11 +54,22 @@ def merge(parts: list[LocalStats]) -> tuple[int, Tensor, Tensor]:
         return 0, torch.zeros_like(first.mean), torch.ones_like(first.mean)
     if len(parts) == 1:
         return total, first.mean, first.m2 / total
-    counts = devices.counts_on([part.count for part in parts], first.mean.device, first.mean.dtype)
+    counts = devices.host_values_on([part.count for part in parts], first.mean.device, first.mean.dtype)
     means = torch.stack([part.mean for part in parts])
     m2s = torch.stack([part.m2 for part in parts])
     mean, var = torch.ops.syncbn.merge_stats(counts, means, m2s)
     return total, mean, var
+
+
+def merge_on_device(counts: Tensor, means: Tensor, m2s: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`merge` of ``(R,)`` counts and ``(R, C)`` means and M2s held in device tensors,
+    with no host read: the total count (0-dim), mean and biased variance; an all-empty union
+    gives mean 0 and variance 1, as :func:`merge`."""
+    total = counts.sum()
+    empty = total == 0
+    # all empty: any positive weights give mean 0 and M2 0 (the parts' are 0), then var := 1
+    mean, var = torch.ops.syncbn.merge_stats(torch.where(empty, 1.0, counts), means, m2s)
+    return total, mean, torch.where(empty, 1.0, var)
 
 
 def merge_into_one(parts: list[LocalStats]) -> LocalStats:

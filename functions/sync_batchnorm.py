@@ -72,7 +72,9 @@ class SyncBatchNormFunction(Function):
             )
         count, mean, var = sync.global_stats(x, *torch.ops.syncbn.local_stats(x))
         if sync.is_master:
-            torch.ops.syncbn.update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, count)
+            # a count still on the device (deferred checks): the update in device ops, no host read
+            update = reference.update_running_stats if isinstance(count, Tensor) else torch.ops.syncbn.update_running_stats
+            update(running_mean, running_var, num_batches_tracked, momentum, mean, var, count)
         return reference.normalize(x, mean, var, eps, weight, bias, residual, negative_slope)
 
     @staticmethod
@@ -118,7 +120,10 @@ class SyncBatchNormFunction(Function):
         grad_input = grad_weight = grad_bias = grad_residual = None
         if wants_input:
             total_dy, total_dy_xmu = (sum_dy, sum_dy_xmu) if ctx.sync is None else ctx.sync.global_grad_sums(sum_dy, sum_dy_xmu)
-            grad_input = torch.ops.syncbn.backward_elemt(dy, x, mean, invstd, weight, total_dy, total_dy_xmu, ctx.count)
+            count = ctx.count
+            if isinstance(count, Tensor):  # on the device: divide there, and let the kernel divide by 1
+                total_dy, total_dy_xmu, count = total_dy / count, total_dy_xmu / count, 1
+            grad_input = torch.ops.syncbn.backward_elemt(dy, x, mean, invstd, weight, total_dy, total_dy_xmu, count)
         if weight is not None and wants_weight:
             grad_weight = in_dtype(sum_dy_xmu * invstd, weight.dtype)
         if bias is not None and wants_bias:

@@ -53,7 +53,7 @@ class Synchronizer:
     ) -> None:
         self.replica_call, self.process_call, self.layer = replica_call, process_call, layer
         self.channels, self.device = channels, device
-        self.count: int | None = None
+        self.count: int | Tensor | None = None
         self._joined_collective = False
 
     @classmethod
@@ -81,9 +81,11 @@ class Synchronizer:
         """The one replica of the process that updates the running statistics."""
         return self.replica_call is None or self.replica_call.is_master
 
-    def global_stats(self, x: Tensor, mean: Tensor, m2: Tensor) -> tuple[int, Tensor, Tensor]:
+    def global_stats(self, x: Tensor, mean: Tensor, m2: Tensor) -> tuple[int | Tensor, Tensor, Tensor]:
         """Global count, mean and biased variance (float64), on x's device, from this replica's
-        local ``mean`` and ``m2`` of ``x`` (``(C,)`` each)."""
+        local ``mean`` and ``m2`` of ``x`` (``(C,)`` each). The count is an int, or a 0-dim
+        float64 tensor on x's device where it comes from a collective whose checks are deferred
+        (:func:`functions.distributed.all_gather_stats`)."""
         # only a part that another replica's thread fetches needs a fence
         ready = None if self.replica_call is None else devices.mark_ready(mean)
         local = LocalStats(values_per_channel(x), mean, m2, x.dtype, x.shape, ready)
@@ -97,6 +99,8 @@ class Synchronizer:
 
             count, mean, var, ready = self._exchange("forward", local, merge)
             mean, var = devices.fetch(mean, x.device, ready), devices.fetch(var, x.device, ready)
+            if isinstance(count, Tensor):
+                count = devices.fetch(count, x.device, ready)
         self.count = count
         return count, mean, var
 
@@ -124,16 +128,17 @@ class Synchronizer:
         assert self.replica_call is not None
         return self.replica_call.exchange(direction, payload, combine)
 
-    def _merge_parts(self, parts: list[LocalStats]) -> tuple[int, Tensor, Tensor]:
+    def _merge_parts(self, parts: list[LocalStats]) -> tuple[int | Tensor, Tensor, Tensor]:
         """On the master: the replicas' parts (and, with a process group, every rank's) merged.
         Raises when they disagree on channels or dtype, or hold one value per channel between
-        them, before anything is updated; the ranks raise alike."""
+        them, before anything is updated; the ranks raise alike (where their checks are read
+        at once: :mod:`functions.checks`)."""
         stats.check_parts_agree(parts, self.layer)
-        parts, what = _on_one_device(parts), "replicas"
+        parts = _on_one_device(parts)
         if self.process_call is not None:
             self._joined_collective = True
-            parts, what = all_gather_stats(stats.merge_into_one(parts), self.process_call), "ranks"
-        stats.check_values_per_channel(sum(part.count for part in parts), self.layer, [p.input_shape for p in parts], what)
+            return all_gather_stats(stats.merge_into_one(parts), self.process_call)
+        stats.check_values_per_channel(sum(part.count for part in parts), self.layer, [p.input_shape for p in parts])
         return stats.merge(parts)
 
     def _sum_parts(self, parts: list[tuple[Tensor, Tensor, Any]]) -> tuple[Tensor, Tensor, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence, TypeVar
@@ -22,7 +23,8 @@ from torch.autograd.function import Function, once_differentiable
 from torch.autograd.graph import increment_version
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from functions.replicas import ReplicaRound, ReplicaSyncError, abort_rounds, replica_rounds
+from functions.devices import fetch
+from functions.replicas import ReplicaRound, ReplicaSyncError, abort_rounds, replica_rounds, resolve_timeout
 
 from .conversion import name_sync_layers
 
@@ -171,13 +173,26 @@ class _Worker:
             cls._idle.extend(workers)
 
 
-def _run_in_threads(jobs: Sequence[Callable[[], T]], rounds: Sequence[ReplicaRound]) -> list[T]:
+STRAGGLER_TIMEOUTS = 3
+"""A replica exchange waits up to twice its timeout (once more when the master is combining):
+the wrapper's own wait for the last replicas of a step is longer, so that the layer's error,
+which says where, comes first."""
+
+
+def _run_in_threads(jobs: Sequence[Callable[[], T]], rounds: Sequence[ReplicaRound], timeout: float) -> list[T]:
     """Run one job per replica, all at once, each on its own worker thread. When one raises,
     the rounds of the synchronized layers are broken at once so that no replica waits for it;
-    after all jobs ended, the first error that is not such a consequence is re-raised."""
+    after all jobs ended, the first error that is not such a consequence is re-raised.
+
+    The wait is bounded once any job has ended (finished or failed): the others get
+    ``STRAGGLER_TIMEOUTS * timeout`` seconds more (replicas of one step run in lockstep through
+    their synchronized layers, whose own waits, which name the layer, give up first), after
+    which the rounds are broken and a :class:`ReplicaSyncError` names the stragglers. A
+    straggler's worker is not reused (it may be stuck)."""
     results: list[Any] = [None] * len(jobs)
     errors: list[BaseException | None] = [None] * len(jobs)
-    done = [threading.Event() for _ in jobs]
+    ended = [False] * len(jobs)
+    ending = threading.Condition()
 
     def work(index: int) -> None:
         try:
@@ -186,18 +201,42 @@ def _run_in_threads(jobs: Sequence[Callable[[], T]], rounds: Sequence[ReplicaRou
             errors[index] = error
             abort_rounds(rounds, error, index)
         finally:
-            done[index].set()
+            with ending:
+                ended[index] = True
+                ending.notify()
 
     workers = _Worker.take(len(jobs))
     for index, worker in enumerate(workers):
         worker.submit(lambda index=index: work(index))
-    for event in done:
-        event.wait()
-    _Worker.give_back(workers)
+    timeout *= STRAGGLER_TIMEOUTS
+    stragglers = _wait_for_jobs(ended, ending, timeout)
+    _Worker.give_back([w for w, done in zip(workers, ended) if done])
+    if stragglers:
+        error = ReplicaSyncError(
+            f"ThreadedDataParallel: replica(s) {stragglers} did not finish within {timeout:g}s after the others "
+            f"had ended (replicas {[i for i, done in enumerate(ended) if done]}); their rounds are broken. "
+            "The wait is set by timeout= or $SYNCBN_TIMEOUT."
+        )
+        abort_rounds(rounds, error)
+        errors.append(error)
     failed = [e for e in errors if e is not None]
     if failed:
         raise next((e for e in failed if not isinstance(e, ReplicaSyncError)), failed[0])
     return results
+
+
+def _wait_for_jobs(ended: list[bool], ending: threading.Condition, timeout: float) -> list[int]:
+    """Wait until every job has ended, or ``timeout`` seconds after the first one did; returns
+    the indices of the jobs still running then."""
+    with ending:
+        ending.wait_for(lambda: any(ended))
+        deadline = time.monotonic() + timeout
+        while not all(ended):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return [i for i, done in enumerate(ended) if not done]
+            ending.wait(remaining)
+    return []
 
 
 _LONE_TENSOR = "a lone tensor"
@@ -268,6 +307,7 @@ class _ReplicaRun:
         devices: list[torch.device],
         rounds: list[ReplicaRound],
         dim: int,
+        timeout: float,
     ) -> None:
         self.tensor_positions = [k for k, v in enumerate(outputs[0]) if isinstance(v, Tensor)]
         self.values: list[list[Tensor]] | None = [[out[k] for out in outputs] for k in self.tensor_positions]
@@ -281,7 +321,7 @@ class _ReplicaRun:
         self.source_aliases = [t.detach() for t in sources]
         self.source_versions = [t._version for t in sources]
         self.param_leaves = param_leaves  # per replica, aligned with params
-        self.params, self.devices, self.rounds, self.dim = params, devices, rounds, dim
+        self.params, self.devices, self.rounds, self.dim, self.timeout = params, devices, rounds, dim, timeout
 
     def gathered(self, output_device: torch.device) -> list[Tensor]:
         return [_gather([v.detach() for v in values], output_device, self.dim) for values in self.values]
@@ -314,8 +354,9 @@ class _ReplicaRun:
         leaves = self.input_leaves[j] + self.param_leaves[j]
         if not outs or not leaves:
             return [None] * len(leaves)
-        with state.on(self.devices[j]):
-            out_grads = [g if g.device == self.devices[j] else g.to(self.devices[j]) for g in out_grads]
+        # on this thread, not on the autograd engine's thread of the device: that thread may be
+        # the one running the gather's backward, which waits for this one (a deadlock on CUDA)
+        with state.on(self.devices[j]), torch.autograd.set_multithreading_enabled(False):
             # retained: the outer graph decides when the replicas' graphs go (see the class)
             result: list[Any] = list(torch.autograd.grad(outs, leaves, out_grads, retain_graph=True, allow_unused=True))
             for i, rows in enumerate(first_rows):
@@ -325,8 +366,12 @@ class _ReplicaRun:
         return result
 
     def _out_grads(self, grads: Sequence[Tensor], j: int) -> list[Tensor]:
-        """Replica j's rows of the gradients of the gathered outputs that its outputs require."""
-        return [self._slice(grad, p, j) for p, grad in enumerate(grads) if self.requires_grad[p][j]]
+        """Replica j's rows of the gradients of the gathered outputs that its outputs require, on
+        its device. Copied by the thread that runs the backward, on its current streams, which
+        the replica threads run on too (stream order protects the copies)."""
+        device = self.devices[j]
+        rows = (self._slice(grad, p, j) for p, grad in enumerate(grads) if self.requires_grad[p][j])
+        return [fetch(g, device) for g in rows]
 
     def _first_rows(self, buffers: list[Tensor | None], j: int) -> list[Tensor | None]:
         """Per input leaf of replica j: the rows of its source's buffer that the replica's thread
@@ -415,7 +460,7 @@ class _ReplicaRun:
             )
             for j in range(len(self.devices))
         ]
-        per_replica = _run_in_threads(jobs, self.rounds)
+        per_replica = _run_in_threads(jobs, self.rounds, self.timeout)
         source_grads = self._source_grads([replica[: len(self.input_leaves[j])] for j, replica in enumerate(per_replica)], buffers)
         param_grads = []
         for i, param in enumerate(self.params):
@@ -479,8 +524,12 @@ class ThreadedDataParallel(nn.Module):
     caller's grad mode and autocast), and gathers the outputs on ``output_device`` (default
     ``devices[0]``). Parameter gradients land on the original module; running statistics of
     replica 0 (on ``devices[0]``) are the module's own. Each replica's backward runs on its own
-    thread, so synchronized batch norm replicas meet in backward on the CPU too. When a replica
-    raises, the others are released at once and the original error is re-raised.
+    thread (never on the autograd engine's device threads), so synchronized batch norm replicas
+    meet in backward on the CPU too, and on one GPU repeated. When a replica raises, the others
+    are released at once and the original error is re-raised. Once one replica of a step has
+    ended, the others get three times ``timeout`` more (default ``$SYNCBN_TIMEOUT``, else 60 s)
+    before a :class:`~functions.ReplicaSyncError` names them (a synchronized layer's own wait,
+    which names the layer, gives up first).
 
     Chunks that stay on their device are views of the caller's tensors, not copies (as
     nn.DataParallel's chunk on its own device): a replica's in-place op on its input writes to
@@ -491,10 +540,13 @@ class ThreadedDataParallel(nn.Module):
     supported.
     """
 
-    def __init__(self, module: nn.Module, devices: Sequence[Any], output_device: Any = None, dim: int = 0) -> None:
+    def __init__(
+        self, module: nn.Module, devices: Sequence[Any], output_device: Any = None, dim: int = 0, timeout: float | None = None
+    ) -> None:
         super().__init__()
         if len(devices) == 0:
             raise ValueError("ThreadedDataParallel needs at least one device")
+        self.timeout = resolve_timeout(timeout)
         self.module = module
         self.devices = [_normalize_device(d) for d in devices]
         self.output_device = self.devices[0] if output_device is None else _normalize_device(output_device)
@@ -541,7 +593,7 @@ class ThreadedDataParallel(nn.Module):
             pieces.append(replica_pieces)
             jobs.append(lambda r=replica, a=args_j, k=kw_j, d=device: self._run_replica(r, a, k, d, state))
         del replicas
-        results = _run_in_threads(jobs, rounds)
+        results = _run_in_threads(jobs, rounds, self.timeout)
         _record_in_place_writes(input_leaves, pieces, sources)
 
         flat_outputs, specs = zip(*(_flatten(out) for out in results))
@@ -560,6 +612,7 @@ class ThreadedDataParallel(nn.Module):
             devices,
             rounds,
             self.dim,
+            self.timeout,
         )
         graph_inputs = sources + params if state.grad_enabled else []
         if any(t.requires_grad for t in graph_inputs):

@@ -1,6 +1,8 @@
-"""What only CUDA has: the operators on the current stream and the input's device, the fences of
-functions.devices, and our layers on CUDA against cuDNN's ``nn.BatchNorm2d``, alone and under
-``ThreadedDataParallel`` on one GPU repeated. The CUDA kernels op by op against the reference are
+"""What only CUDA has: the operators on the current stream and the input's device (a guard test
+that fails without the guard, on two GPUs), the fences of functions.devices, our layers on CUDA
+against cuDNN's ``nn.BatchNorm2d``, alone, under ``ThreadedDataParallel`` on one GPU repeated and
+across a GPU and the CPU, under stock ``nn.DataParallel`` on a side stream, and a synchronized
+step under ``torch.cuda.set_sync_debug_mode("error")`` (no host synchronization). The CUDA kernels op by op against the reference are
 in the one kernel suite, tests/test_kernels.py (its ``cuda`` cases).
 
 Needs a GPU: the whole file is skipped where ``torch.cuda.is_available()`` is false. The kernel
@@ -16,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from functions import ReplicaSyncError, backend, devices, sync_batch_norm
+from functions import backend, devices, sync_batch_norm
 from functions import reference as ref
 import test_kernels as kernel_tests  # its tolerances and inputs (tests/ is on the path: pytest.ini)
 
@@ -37,18 +39,38 @@ def make_input(shape, memory_format, dtype, seed=0) -> torch.Tensor:
 
 
 @needs_ops
-def test_ops_run_on_the_current_stream_and_the_inputs_device() -> None:
-    x = make_input((4, 8, 16, 16), torch.contiguous_format, torch.float32)
+def test_ops_run_on_the_current_stream() -> None:
+    # the input is made on the side stream too: the kernels must be queued there (on the default
+    # stream they could run before it is written); compared after that stream alone is synced
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
+        x = make_input((4, 8, 16, 16), torch.contiguous_format, torch.float32)
         mean, m2 = OPS.local_stats(x)
     stream.synchronize()
     mean_ref, m2_ref = ref.local_stats(x)
     torch.testing.assert_close(mean, mean_ref)
-    if torch.cuda.device_count() > 1:
-        x1 = x.to("cuda:1")
-        with torch.cuda.device(0):
-            assert OPS.local_stats(x1)[0].device == x1.device
+    torch.testing.assert_close(m2, m2_ref)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=str)
+def test_ops_run_on_the_inputs_device_not_the_current_one(memory_format) -> None:
+    # without a device guard the launch would go to cuda:0 with cuda:1's pointers: an illegal
+    # address or wrong values, which the comparison catches (not only the output's device)
+    x1 = make_input((4, 8, 6, 6), memory_format, torch.float32).to("cuda:1")
+    dy1 = torch.randn_like(x1)
+    with torch.cuda.device(0):
+        mean, m2 = OPS.local_stats(x1)
+        m, invstd = mean.float(), torch.rsqrt(m2 / (x1.numel() // 8) + 1e-5).float()
+        y = OPS.elemt_forward(x1, m, invstd, None, None)
+        sums = OPS.backward_reduce(dy1, x1, m)
+        dx = OPS.backward_elemt(dy1, x1, m, invstd, None, *sums, x1.numel() // 8)
+    assert {t.device for t in (mean, m2, y, *sums, dx)} == {x1.device}
+    torch.cuda.synchronize(1)
+    torch.testing.assert_close(mean, ref.local_stats(x1)[0])
+    torch.testing.assert_close(y, ref.elemt_forward(x1, m, invstd, None, None))
+    torch.testing.assert_close(sums, ref.backward_reduce(dy1, x1, m))
+    torch.testing.assert_close(dx, ref.backward_elemt(dy1, x1, m, invstd, None, *sums, x1.numel() // 8))
 
 
 def test_devices_helpers_copy_in_stream_order() -> None:
@@ -56,7 +78,7 @@ def test_devices_helpers_copy_in_stream_order() -> None:
     ready = devices.mark_ready(x)
     assert devices.fetch(x, x.device, ready) is x
     torch.testing.assert_close(devices.fetch(x, "cpu", ready), x.cpu())
-    torch.testing.assert_close(devices.counts_on([3, 0, 7], DEVICE).cpu(), torch.tensor([3.0, 0.0, 7.0], dtype=torch.float64))
+    torch.testing.assert_close(devices.host_values_on([3, 0, 7], DEVICE).cpu(), torch.tensor([3.0, 0.0, 7.0], dtype=torch.float64))
 
 
 # ---- the layers on CUDA against cuDNN -----------------------------------------------------
@@ -152,10 +174,10 @@ def test_threaded_replicas_on_one_gpu_match_cudnn_forward(cuda_backend, replicas
 @pytest.mark.parametrize("replicas", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_threaded_replicas_on_one_gpu_backward(cuda_backend, replicas, dtype, monkeypatch) -> None:
-    """Forward and backward under ThreadedDataParallel(['cuda:0'] * R) against cuDNN. Replicas
-    that share a GPU share the autograd engine's worker thread of that device (README, Limits),
-    so their backward exchange may not meet: that is tolerated as an expected failure with a
-    ReplicaSyncError (short timeout), never a hang; where it does meet, it must match."""
+    """Forward and backward under ThreadedDataParallel(['cuda:0'] * R) against cuDNN: each
+    replica runs its backward on its own thread (not on the engine's thread of the GPU, which
+    runs the gather's backward and waits for them), so the replicas meet in backward. A short
+    timeout turns a regression into an error instead of a hang."""
     from modules.parallel import ThreadedDataParallel
 
     monkeypatch.setenv("SYNCBN_TIMEOUT", "10")
@@ -168,10 +190,91 @@ def test_threaded_replicas_on_one_gpu_backward(cuda_backend, replicas, dtype, mo
     torch.testing.assert_close(y, y_ref, **tol)
     dy = torch.randn_like(y)
     y_ref.backward(dy)
-    try:
-        y.backward(dy)
-    except ReplicaSyncError as error:
-        pytest.xfail(f"replicas on one GPU did not meet in backward (README, Limits): {error}")
+    y.backward(dy)
     torch.testing.assert_close(x_ours.grad, x_ref.grad, atol=tol["atol"] * 20, rtol=tol["rtol"] * 10)
     torch.testing.assert_close(ours.weight.grad, ref_bn.weight.grad, atol=tol["atol"] * 100, rtol=tol["rtol"] * 10)
     torch.testing.assert_close(ours.bias.grad, ref_bn.bias.grad, atol=tol["atol"] * 100, rtol=tol["rtol"] * 10)
+
+
+def resnet_block(channels: int = 6) -> nn.Module:
+    from modules import nn as NN
+
+    return NN.convert_sync_batchnorm(
+        nn.Sequential(
+            nn.Conv2d(3, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(),
+            nn.Conv2d(channels, channels, 1, bias=False),
+            nn.BatchNorm2d(channels, momentum=None),
+        )
+    ).to(DEVICE)
+
+
+@pytest.mark.parametrize("devices_", [["cuda:0", "cuda:0"], ["cuda:0", "cpu"]], ids=["two-on-one-gpu", "gpu-and-cpu"])
+def test_threaded_step_matches_the_full_batch(devices_, monkeypatch) -> None:
+    """A replica exchange on one GPU, and across a GPU and the CPU (the events, record_stream
+    and copies of functions.devices), against torch's layers on the full batch, float32."""
+    from modules.parallel import ThreadedDataParallel
+
+    monkeypatch.setenv("SYNCBN_TIMEOUT", "10")
+    torch.manual_seed(0)
+    ours = resnet_block()
+    theirs = copy.deepcopy(ours)
+    from modules import nn as NN
+
+    theirs = NN.revert_sync_batchnorm(theirs)
+    runner = ThreadedDataParallel(ours, devices_)
+    for step in range(2):
+        x = torch.randn(5, 3, 8, 8, device=DEVICE)
+        x_ours, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y, y_ref = runner(x_ours), theirs(x_ref)
+        torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
+        y.backward(torch.ones_like(y))
+        y_ref.backward(torch.ones_like(y_ref))
+        torch.testing.assert_close(x_ours.grad, x_ref.grad, atol=1e-4, rtol=1e-4)
+    for (name, a), b in zip(ours.named_buffers(), theirs.buffers()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_a_synchronized_step_never_synchronizes_the_host() -> None:
+    """torch's sync debug mode raises on any host synchronization (a device value read on the
+    host, a pageable copy, a stream synchronize) during a threaded step on one GPU, forward and
+    backward, running statistics with momentum None included."""
+    from modules.parallel import ThreadedDataParallel
+
+    runner = ThreadedDataParallel(resnet_block(), ["cuda:0"] * 2)
+    x = torch.randn(6, 3, 8, 8, device=DEVICE, requires_grad=True)
+    runner(x).sum().backward()  # the first step may load kernels and warm the caches
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            runner(x).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+
+
+def test_stock_data_parallel_on_a_side_stream() -> None:
+    """Stock nn.DataParallel over every visible GPU, called on a non-default stream: the
+    replicas run on that stream (parallel_apply enters it), so must our fences and copies."""
+    torch.manual_seed(0)
+    ours = resnet_block()
+    from modules import nn as NN
+
+    theirs = NN.revert_sync_batchnorm(copy.deepcopy(ours))
+    runner = nn.DataParallel(ours, device_ids=list(range(torch.cuda.device_count())))
+    x = torch.randn(8, 3, 8, 8, device=DEVICE)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        x_ours = x.clone().requires_grad_()
+        y = runner(x_ours)
+        y.backward(torch.ones_like(y))
+    stream.synchronize()
+    x_ref = x.clone().requires_grad_()
+    y_ref = theirs(x_ref)
+    y_ref.backward(torch.ones_like(y_ref))
+    torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(x_ours.grad, x_ref.grad, atol=1e-4, rtol=1e-4)

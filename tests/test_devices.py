@@ -17,6 +17,6 @@ def test_counts_stay_exact_beyond_float32() -> None:
     # a channel of a (4096, C, 224, 224) batch holds 205_520_896 values, past float32's 2**24:
     # the counts that weight Chan's merge must be exact
     counts = [205_520_897, 2**24 + 1, 0]
-    on_cpu = devices.counts_on(counts, "cpu")
+    on_cpu = devices.host_values_on(counts, "cpu")
     assert on_cpu.dtype == torch.float64 and [int(c) for c in on_cpu.tolist()] == counts
-    assert devices.counts_on(counts, "cpu", torch.float32).tolist() != counts  # why float64 is the default
+    assert devices.host_values_on(counts, "cpu", torch.float32).tolist() != counts  # why float64 is the default

@@ -12,8 +12,11 @@ Collectives time out after 30 s, so a broken check fails instead of hanging.
 from __future__ import annotations
 
 import copy
+import os
 import traceback
-from typing import Callable, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
+from unittest import mock
 
 import pytest
 import torch
@@ -21,7 +24,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from functions import checks, devices
 from testkit.collectives import count_collectives
+from testkit.host_reads import HostReads, allowed
 from testkit.local_group import run_local_group
 from testkit.lockstep import assert_agree, train_side_by_side
 from helpers import randomize_affine
@@ -286,10 +291,8 @@ def test_ddp_buffer_broadcast(rank: int, world: int) -> None:
 
 @across_processes(2)
 def test_global_count_one_raises_on_every_rank(rank: int, world: int) -> None:
-    layer = NN.SyncBatchNorm2d(3)
-    x = torch.randn(1 if rank == 0 else 0, 3, 1, 1)
-    expect_error_on_every_rank(lambda: layer(x), ValueError, "more than 1 value per channel", "ranks")
-    assert int(layer.num_batches_tracked) == 0 and torch.equal(layer.running_mean, torch.zeros(3))
+    layer = global_count_one(rank, expect_error_on_every_rank)
+    assert int(layer.num_batches_tracked) == 0  # raised before the update
 
 
 @across_processes(2, 3)
@@ -359,43 +362,70 @@ class ResidualBlock(nn.Module):
         return model
 
 
-@across_processes(2)
-def test_call_count_mismatch(rank: int, world: int) -> None:
+def call_count_mismatch(rank: int, expect: Callable[..., None]) -> None:
     first, second = NN.SyncBatchNorm1d(4), NN.SyncBatchNorm1d(4)
     first.layer_name, second.layer_name = "first", "second"
     x = torch.randn(3, 4)
     first(x)
     # rank 0 calls `first` twice, the others call `second`
     layer = first if rank == 0 else second
-    expect_error_on_every_rank(lambda: layer(x), RuntimeError, "different synchronized calls", f"'{layer.layer_name}'")
+    expect(lambda: layer(x), RuntimeError, "different synchronized calls", f"'{layer.layer_name}'")
 
 
-@across_processes(2)
-def test_backward_order_mismatch(rank: int, world: int) -> None:
+def backward_order_mismatch(rank: int, expect: Callable[..., None]) -> None:
     first, second = NN.SyncBatchNorm1d(4), NN.SyncBatchNorm1d(4)
     first.layer_name, second.layer_name = "first", "second"  # unnamed, they would look alike
     x = torch.randn(3, 4, requires_grad=True)
     y1, y2 = first(x), second(x)
     outputs = [y1, y2] if rank == 0 else [y2, y1]
-    expect_error_on_every_rank(lambda: outputs[0].sum().backward(), RuntimeError, "backward of different synchronized calls")
+    expect(lambda: outputs[0].sum().backward(), RuntimeError, "backward of different synchronized calls")
+
+
+def dtype_mismatch(rank: int, expect: Callable[..., None]) -> None:
+    dtype = torch.float64 if rank == 0 else torch.float32
+    layer = NN.SyncBatchNorm1d(4, dtype=dtype)
+    expect(lambda: layer(torch.randn(3, 4, dtype=dtype)), RuntimeError, "disagree on the input dtype")
+
+
+def bad_input_on_one_rank(rank: int, expect: Callable[..., None]) -> None:
+    layer = NN.SyncBatchNorm2d(4)
+    x = torch.randn(2, 3 if rank == 1 else 4, 2, 2)
+    if rank == 1:  # its own error, at once; the others learn it from the exchange's verdict
+        expect_error_on_every_rank(lambda: layer(x), RuntimeError, "expected 4 channels")
+    else:
+        expect(lambda: layer(x), RuntimeError, "rank(s) [1]", "failed before this exchange")
+
+
+def global_count_one(rank: int, expect: Callable[..., None]) -> nn.Module:
+    layer = NN.SyncBatchNorm2d(3)
+    x = torch.randn(1 if rank == 0 else 0, 3, 1, 1)
+    expect(lambda: layer(x), ValueError, "more than 1 value per channel", "ranks")
+    assert torch.equal(layer.running_mean, torch.zeros(3)) and torch.equal(layer.running_var, torch.ones(3))
+    return layer
+
+
+MISMATCHES = [call_count_mismatch, backward_order_mismatch, dtype_mismatch, bad_input_on_one_rank, global_count_one]
+"""What the ranks must agree on; each raises on every rank, at once or deferred."""
+
+
+@across_processes(2)
+def test_call_count_mismatch(rank: int, world: int) -> None:
+    call_count_mismatch(rank, expect_error_on_every_rank)
+
+
+@across_processes(2)
+def test_backward_order_mismatch(rank: int, world: int) -> None:
+    backward_order_mismatch(rank, expect_error_on_every_rank)
 
 
 @across_processes(2)
 def test_dtype_mismatch(rank: int, world: int) -> None:
-    dtype = torch.float64 if rank == 0 else torch.float32
-    layer = NN.SyncBatchNorm1d(4, dtype=dtype)
-    expect_error_on_every_rank(lambda: layer(torch.randn(3, 4, dtype=dtype)), RuntimeError, "disagree on the input dtype")
+    dtype_mismatch(rank, expect_error_on_every_rank)
 
 
 @across_processes(2)
 def test_bad_input_on_one_rank(rank: int, world: int) -> None:
-    layer = NN.SyncBatchNorm2d(4)
-    x = torch.randn(2, 3 if rank == 1 else 4, 2, 2)
-    if rank == 1:
-        expect_error_on_every_rank(lambda: layer(x), RuntimeError, "expected 4 channels")
-    else:
-        expect_error_on_every_rank(lambda: layer(x), RuntimeError, "rank(s) [1]", "failed before this exchange")
-    assert int(layer.num_batches_tracked) == 0
+    bad_input_on_one_rank(rank, expect_error_on_every_rank)
 
 
 class FailsOnOneRow(nn.Module):
@@ -433,6 +463,75 @@ def test_subgroups(rank: int, world: int) -> None:
         expect_error_on_every_rank(lambda: layer(torch.randn(4, 3)), RuntimeError, "not a member")
     with pytest.raises(ValueError, match="must divide the world size 4"):
         NN.consecutive_rank_groups(3)
+
+
+# --- deferred checks (SYNCBN_CHECKS=step, the default for CUDA tensors) -------------------------
+
+
+@contextmanager
+def deferred_checks() -> Iterator[None]:
+    """The checks as on CUDA by default: verdicts kept on the device, read later."""
+    previous = os.environ.get(checks.CHECKS_ENV)
+    os.environ[checks.CHECKS_ENV] = "step"
+    try:
+        yield
+    finally:
+        checks.check_pending()
+        if previous is None:
+            del os.environ[checks.CHECKS_ENV]
+        else:
+            os.environ[checks.CHECKS_ENV] = previous
+
+
+def expect_deferred_error(run: Callable[[], object], error: type, *words: str) -> None:
+    """``run`` and a read of the pending checks raise ``error`` with ``words`` on every rank,
+    saying that the check was deferred (at the end of ``run``'s backward, or when read)."""
+    with pytest.raises(error) as caught:
+        run()
+        checks.check_pending()
+    for word in (*words, "deferred check"):
+        assert word in str(caught.value), (word, str(caught.value))
+
+
+@across_processes(2, 3)
+def test_deferred_checks_train_exactly(rank: int, world: int) -> None:
+    # the global count stays on the device: running statistics (momentum None included), the
+    # backward's division and empty ranks, in device ops only
+    with deferred_checks():
+        train_against_full_batch(conv_bn_2d, [4, 3, 2][:world], (3, 4, 5))
+        train_against_full_batch(conv_bn_2d, [5, 0, 3][:world], (3, 3, 3), steps=2)
+        train_against_full_batch(linear_bn_1d, [3, 4, 2][:world], (6,), steps=2)
+        if world == 2:
+            train_against_full_batch(conv_bn_2d, [5, 3], (3, 3, 4), replicas=2, steps=2)
+            train_against_full_batch(conv_bn_2d, [4, 0], (3, 2, 2), replicas=2, steps=2)
+
+
+@across_processes(2)
+def test_deferred_checks_read_nothing_on_the_host_until_the_step_ends(rank: int, world: int) -> None:
+    # every host read of a synchronized step on CUDA would drain the stream: the layers make
+    # none (CPU tensors stand in), but the read of the verdicts' host copies when backward ends
+    model = NN.convert_sync_batchnorm(conv_bn_2d().double())
+    x = torch.randn(3 + rank, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+    ends = []
+    reads = HostReads()
+    with deferred_checks(), mock.patch.object(devices, "host_values_on", allowed(devices.host_values_on)):
+        with mock.patch.object(checks, "_host_values", lambda host: ends.append(1) or allowed(torch.Tensor.tolist)(host)):
+            model(x).sum().backward()  # the first step loads what it loads
+            ends.clear()
+            with reads:
+                for _ in range(2):
+                    model(x).sum().backward()
+    assert reads.seen == [], reads.report()
+    assert ends, "the verdicts were never read"
+
+
+@across_processes(2)
+def test_deferred_errors_on_every_rank(rank: int, world: int) -> None:
+    # the same mismatches as at once; the layer itself goes through (one-value batches leave the
+    # running statistics alone, but count, as the update happens on the device)
+    with deferred_checks():
+        for mismatch in MISMATCHES:
+            mismatch(rank, expect_deferred_error)
 
 
 def test_process_group_without_torch_distributed_raises() -> None:

@@ -11,6 +11,7 @@ from torch import nn
 import functions.synchronization as synchronization
 from functions import ReplicaSyncError
 from functions import reference as ref
+from functions import stats
 from functions.distributed import ProcessGroupSync
 from functions.replicas import ReplicaHandle, ReplicaRound
 from functions.synchronization import Synchronizer
@@ -31,7 +32,7 @@ def reported(monkeypatch: pytest.MonkeyPatch) -> list:
     """The failed-flag rows this process would send; the all_gather answers as a world of one."""
     sent: list = []
     monkeypatch.setattr(synchronization, "report_failure", lambda call, channels, device: sent.append(call))
-    monkeypatch.setattr(synchronization, "all_gather_stats", lambda local, call: [local])
+    monkeypatch.setattr(synchronization, "all_gather_stats", lambda local, call: stats.merge([local]))
     return sent
 
 

@@ -1,0 +1,167 @@
+"""Checks between ranks whose verdict is computed on the device, and read on the host where that
+costs nothing.
+
+A synchronized layer checks at every exchange across processes that the ranks agree (same layer
+and call, same dtype, no rank failed before the exchange, more than one value per channel).
+The verdict is a small tensor made on the collective's device from the gathered data
+(:mod:`functions.distributed`); reading it on the host is free for CPU tensors, but on CUDA it
+is a host synchronization: the GPU runs dry until the host has queued the next work, once per
+layer. ``$SYNCBN_CHECKS`` says when verdicts are read:
+
+- ``layer``: at once, at every synchronized layer, which raises at the layer that failed (a host
+  synchronization per layer on CUDA, as ``TORCH_DISTRIBUTED_DEBUG`` trades speed for errors);
+- ``step``: deferred. Each verdict is copied to pinned host memory without waiting, behind an
+  event; every synchronized call reads those whose event has completed (no wait), and the end of
+  each backward reads the forward's (waiting only until the GPU has run the forward's
+  exchanges, not the backward's) and the backward's that are ready. A verdict is read at the
+  latest at the next step's backward, or by :func:`check_pending`;
+- unset (default): ``layer`` for CPU tensors, ``step`` for CUDA tensors.
+
+A deferred failure raises the same error as ``layer`` mode would have, later (its message says
+when). Meanwhile the step went on with the statistics as gathered; a rank that raised at once
+(bad input) has left the others a collective it never joins, which they wait for until the
+process group's timeout (``init_process_group(timeout=...)``): never a silent hang.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+CHECKS_ENV = "SYNCBN_CHECKS"
+MODES = ("layer", "step")
+MAX_PENDING = 1024
+"""Deferred verdicts kept at most; beyond, the oldest is read (waiting for it if need be)."""
+
+DEFERRED_NOTE = (
+    f" (found by a deferred check: ${CHECKS_ENV} is unset or 'step', so the verdict was read once "
+    f"the device had run it, at the latest at the end of the next backward; {CHECKS_ENV}=layer "
+    "raises at the layer itself)"
+)
+
+Explain = Callable[[list[float]], BaseException | None]
+"""Turns a verdict read on the host into the error it stands for, or None where all is well."""
+
+
+def mode() -> str | None:
+    """``$SYNCBN_CHECKS`` (``layer`` or ``step``), or None: by the tensors' device."""
+    value = os.environ.get(CHECKS_ENV, "").strip().lower()
+    if value and value not in MODES:
+        raise ValueError(f"{CHECKS_ENV} must be one of {MODES} (or unset), got {value!r}")
+    return value or None
+
+
+def reads_at_once(device: torch.device) -> bool:
+    """Whether verdicts made on ``device`` are read at the layer (see the module docstring)."""
+    chosen = mode()
+    return chosen == "layer" if chosen is not None else device.type != "cuda"
+
+
+@dataclass
+class _Deferred:
+    host: Tensor  # the verdict in host memory (pinned for CUDA), valid once `ready` has passed
+    ready: "torch.cuda.Event | None"
+    explain: Explain
+    backward: bool  # made in a backward: not waited for at that backward's end
+
+    def is_ready(self) -> bool:
+        return self.ready is None or self.ready.query()
+
+    def read(self) -> BaseException | None:
+        if self.ready is not None:
+            self.ready.synchronize()  # waits for the GPU up to this verdict only
+        error = self.explain(_host_values(self.host))
+        return None if error is None else type(error)(f"{error}{DEFERRED_NOTE}")
+
+
+def _host_values(host: Tensor) -> list[float]:
+    """A verdict's values, read from host memory (never from a device)."""
+    return host.tolist()
+
+
+_pending: deque[_Deferred] = deque()
+_lock = threading.Lock()
+_read_at_end_of: set[int] = set()  # graph tasks whose end reads the deferred verdicts
+
+
+def verify(verdict: Tensor, explain: Explain) -> list[float] | None:
+    """Check ``verdict`` (1-D, made on the collective's device): at once where
+    :func:`reads_at_once` says so (raising ``explain``'s error, returning the values read), else
+    deferred (returning None)."""
+    if reads_at_once(verdict.device):
+        values = _host_values(verdict.cpu())
+        error = explain(values)
+        if error is not None:
+            raise error
+        return values
+    _defer(verdict, explain)
+    return None
+
+
+def _defer(verdict: Tensor, explain: Explain) -> None:
+    in_backward = torch._C._current_graph_task_id() != -1
+    if verdict.device.type == "cuda":
+        host = verdict.to("cpu", non_blocking=True)  # into pinned memory, without waiting
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(verdict.device))
+    else:
+        host, ready = verdict, None
+    with _lock:
+        _pending.append(_Deferred(host, ready, explain, in_backward))
+        overflow = _pending.popleft() if len(_pending) > MAX_PENDING else None
+    if overflow is not None:
+        _raise_if_failed(overflow)
+    if in_backward:
+        _read_when_backward_ends()
+
+
+def _read_when_backward_ends() -> None:
+    """Queue one read of the deferred verdicts at the end of the running backward."""
+    task = torch._C._current_graph_task_id()
+    with _lock:
+        if task in _read_at_end_of:
+            return
+        _read_at_end_of.add(task)
+
+    def read() -> None:
+        with _lock:
+            _read_at_end_of.discard(task)
+        _read_pending(wait=lambda check: not check.backward)
+
+    torch.autograd.Variable._execution_engine.queue_callback(read)
+
+
+def poll() -> None:
+    """Read the deferred verdicts that are ready, without waiting (every synchronized call)."""
+    if _pending:
+        _read_pending(wait=lambda check: False)
+
+
+def check_pending() -> None:
+    """Read every deferred verdict now, waiting for the device where need be; raises the first
+    failure. Call it where a loop without backward (statistics recalibration) must know."""
+    _read_pending(wait=lambda check: True)
+
+
+def _read_pending(wait: Callable[[_Deferred], bool]) -> None:
+    """Read, oldest first, the deferred verdicts that are ready or that ``wait`` says to wait
+    for; stop at the first that is neither. Raises the first failure (dropping the rest)."""
+    while True:
+        with _lock:
+            if not _pending or not (_pending[0].is_ready() or wait(_pending[0])):
+                return
+            check = _pending.popleft()
+        _raise_if_failed(check)
+
+
+def _raise_if_failed(check: _Deferred) -> None:
+    error = check.read()
+    if error is not None:
+        with _lock:
+            _pending.clear()
+        raise error

@@ -1,0 +1,221 @@
+"""The CUDA route, checked without a GPU: which kernel serves each operator on CUDA tensors (the
+dispatcher's registrations), what torch's SyncBN ops give through our wrappers (torch's ops
+written in plain torch for CPU tensors, ``testkit.torch_cuda_ops``), and that the synchronized
+path makes none of the calls that synchronize the host on CUDA (``testkit.host_reads``: CPU
+tensors stand in for CUDA ones). Across processes, the same is checked in
+tests/test_distributed.py (deferred checks). What only a GPU confirms is in tests/test_cuda.py.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import modules.parallel as parallel
+from functions import backend, checks, devices
+from functions import reference as ref
+from modules import nn as NN
+from modules.parallel import ThreadedDataParallel
+from testkit import torch_cuda_ops
+from testkit.host_reads import HostReads, allowed
+
+FULL_SIZE_OPS = ("local_stats", "elemt_forward", "backward_reduce", "backward_elemt")
+"""The operators that pass over the whole input: one pass each, on torch's CUDA ops by default."""
+
+needs_default_cuda_route = pytest.mark.skipif(
+    backend.backend_name(torch.device("cuda")) != "torch-cuda-ops",
+    reason="the default CUDA route (torch's ops) is not registered (SYNCBN_KERNELS=reference or our CUDA kernels)",
+)
+
+
+def has_cuda_kernel(name: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"syncbn::{name}", "CUDA")
+
+
+@needs_default_cuda_route
+def test_full_size_operators_have_cuda_kernels_of_their_own() -> None:
+    # the reference would serve the rest through CompositeExplicitAutograd: several passes and
+    # full-size temporaries per layer (the statistics: four passes)
+    assert [name for name in FULL_SIZE_OPS if not has_cuda_kernel(name)] == []
+    assert set(backend.TORCH_CUDA_OPS) == set(FULL_SIZE_OPS)
+
+
+class OperatorCalls(TorchDispatchMode):
+    """The ``syncbn`` operators that reach the dispatcher's kernels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "syncbn":
+            self.names.append(func._opname)
+        return func(*args, **(kwargs or {}))
+
+
+@needs_default_cuda_route
+def test_a_synchronized_step_passes_over_the_input_only_through_cuda_kernels(monkeypatch) -> None:
+    # every operator of a replica's training step (forward, backward) that touches the full
+    # input has a CUDA kernel: the reference only serves per-channel work on CUDA
+    runner = ThreadedDataParallel(resnet_block(), ["cpu"] * 2)
+    calls = OperatorCalls()
+    with in_every_thread(monkeypatch, calls):
+        runner(torch.randn(5, 3, 4, 4, requires_grad=True)).sum().backward()
+    full_size = {name for name in calls.names if name not in ("merge_stats", "update_running_stats")}
+    assert full_size == set(FULL_SIZE_OPS), calls.names
+    assert all(has_cuda_kernel(name) for name in full_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,memory_format", [((4, 3, 5, 5), torch.contiguous_format), ((4, 3, 5, 5), torch.channels_last), ((6, 5), torch.contiguous_format), ((0, 3, 2, 2), torch.contiguous_format)])
+def test_torch_ops_serve_our_operators_as_the_reference_does(dtype, shape, memory_format) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=gen) * 3 + 100).to(dtype).contiguous(memory_format=memory_format)
+    dy = torch.randn(shape, generator=gen).to(dtype)
+    C, acc = shape[1], ref.accumulation_dtype(dtype)
+    weight, bias = torch.rand(C, generator=gen) + 0.5, torch.randn(C, generator=gen)
+    with torch_cuda_ops.emulated():
+        ours = {name: kernel for name, kernel in backend.TORCH_CUDA_OPS.items()}
+        mean, m2 = ours["local_stats"](x)
+        mean_ref, m2_ref = ref.local_stats(x)
+        assert mean.dtype == m2.dtype == torch.float64
+        # float32 statistics for float32 and half inputs (torch's Welford), float64 for float64
+        tol = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=1e-3, rtol=2e-5)
+        torch.testing.assert_close(mean, mean_ref, **tol)
+        torch.testing.assert_close(m2, m2_ref, **(tol if dtype == torch.float64 else dict(atol=1e-3, rtol=1e-5)))
+        count = max(1, x.numel() // C)
+        m, invstd = mean_ref.to(acc), torch.rsqrt(m2_ref / count + 1e-5).to(acc)
+        close = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(ours["elemt_forward"](x, m, invstd, weight.to(acc), bias.to(acc)), ref.elemt_forward(x, m, invstd, weight.to(acc), bias.to(acc)), **close)
+        sums = ours["backward_reduce"](dy, x, m)
+        torch.testing.assert_close(sums, ref.backward_reduce(dy, x, m), **close)
+        args = (dy, x, m, invstd, weight, *ref.backward_reduce(dy, x, m), count)
+        torch.testing.assert_close(ours["backward_elemt"](*args), ref.backward_elemt(*args), **close)
+
+
+def test_local_stats_of_a_constant_channel_from_torchs_invstd() -> None:
+    # torch gives invstd 0 (not inf) where var and eps are 0: M2 must be 0, not inf
+    x = torch.ones(4, 2, 3)
+    x[:, 1] = torch.arange(12.0).view(4, 3)
+    with torch_cuda_ops.emulated():
+        mean, m2 = backend.TORCH_CUDA_OPS["local_stats"](x)
+    torch.testing.assert_close(m2, ref.local_stats(x)[1])
+    assert m2[0] == 0
+
+
+def test_backward_elemt_beyond_int32_counts_takes_the_reference(monkeypatch) -> None:
+    # torch's op sums int32 counts; a larger count must not overflow into a wrong gradient
+    seen = []
+    monkeypatch.setattr(torch, "batch_norm_backward_elemt", lambda *args: seen.append(args))
+    x = torch.randn(2, 3, 4)
+    args = (torch.randn_like(x), x, torch.zeros(3), torch.ones(3), None, torch.ones(3), torch.ones(3))
+    backend.TORCH_CUDA_OPS["backward_elemt"](*args, 2**31 + 5)
+    assert seen == []
+    backend.TORCH_CUDA_OPS["backward_elemt"](*args, 8)
+    assert len(seen) == 1 and seen[0][-1].dtype == torch.int32 and int(seen[0][-1].sum()) == 8
+
+
+def test_torch_ops_make_no_host_reads_nor_pageable_copies() -> None:
+    x = torch.randn(4, 3, 5, 5)
+    m, invstd = torch.zeros(3), torch.ones(3)
+    reads = HostReads()
+    with torch_cuda_ops.emulated(), reads:
+        backend.TORCH_CUDA_OPS["local_stats"](x)
+        backend.TORCH_CUDA_OPS["elemt_forward"](x, m, invstd, None, None)
+        sums = backend.TORCH_CUDA_OPS["backward_reduce"](x, x, m)
+        backend.TORCH_CUDA_OPS["backward_elemt"](x, x, m, invstd, None, *sums, 100)
+    assert reads.seen == [], reads.report()
+
+
+@contextmanager
+def in_every_thread(monkeypatch: pytest.MonkeyPatch, mode) -> Iterator[None]:
+    """``mode`` (a torch function or dispatch mode) active on this thread and in every replica
+    thread of ThreadedDataParallel."""
+    entered = parallel._ThreadState.on
+
+    @contextmanager
+    def on(state, device):
+        with entered(state, device), mode:
+            yield
+
+    monkeypatch.setattr(parallel._ThreadState, "on", on)
+    with mode:
+        yield
+
+
+@contextmanager
+def host_reads_in_every_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostReads]:
+    """Host reads recorded on this thread and in every replica thread; the pinned copies of
+    ``devices.host_values_on`` are let through."""
+    reads = HostReads()
+    monkeypatch.setattr(devices, "host_values_on", allowed(devices.host_values_on))
+    with in_every_thread(monkeypatch, reads):
+        yield reads
+
+
+def resnet_block() -> nn.Module:
+    return NN.convert_sync_batchnorm(
+        nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1, bias=False),
+            nn.BatchNorm2d(4),
+            nn.ReLU(),
+            nn.Conv2d(4, 4, 1, bias=False),
+            nn.BatchNorm2d(4, momentum=None),
+        )
+    )
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_a_threaded_step_reads_nothing_on_the_host(monkeypatch, replicas) -> None:
+    # what stock DataParallel's replicas run too: the round exchange, merges, fences, the
+    # running-statistics update (momentum None included), the backward sums
+    runner = ThreadedDataParallel(resnet_block(), ["cpu"] * replicas)
+    x = torch.randn(7, 3, 6, 6, requires_grad=True)
+    runner(x).sum().backward()  # first step: workers started, kernels loaded
+    with host_reads_in_every_thread(monkeypatch) as reads:
+        for _ in range(2):
+            runner(x).sum().backward()
+    assert reads.seen == [], reads.report()
+
+
+def test_checks_mode_from_the_environment(monkeypatch) -> None:
+    monkeypatch.delenv(checks.CHECKS_ENV, raising=False)
+    assert checks.reads_at_once(torch.device("cpu")) and not checks.reads_at_once(torch.device("cuda", 0))
+    monkeypatch.setenv(checks.CHECKS_ENV, "layer")
+    assert checks.reads_at_once(torch.device("cuda", 0))
+    monkeypatch.setenv(checks.CHECKS_ENV, "step")
+    assert not checks.reads_at_once(torch.device("cpu"))
+    monkeypatch.setenv(checks.CHECKS_ENV, "sometimes")
+    with pytest.raises(ValueError, match="SYNCBN_CHECKS must be one of"):
+        checks.reads_at_once(torch.device("cpu"))
+
+
+def test_a_deferred_failure_is_read_at_the_end_of_the_backward(monkeypatch) -> None:
+    monkeypatch.setenv(checks.CHECKS_ENV, "step")
+
+    def explain(values):
+        return RuntimeError("ranks disagree") if values[0] else None
+
+    class Checked(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            checks.verify(torch.ones(1), explain)  # a forward verdict that fails
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            checks.verify(torch.zeros(1), explain)  # a backward one that passes
+            return g * 2
+
+    x = torch.randn(3, requires_grad=True)
+    y = Checked.apply(x)  # nothing raised at the layer
+    with pytest.raises(RuntimeError, match="ranks disagree.*deferred check"):
+        y.sum().backward()
+    checks.check_pending()  # the failure was reported once, and nothing is left
+    Checked.apply(x)
+    with pytest.raises(RuntimeError, match="ranks disagree"):
+        checks.check_pending()
