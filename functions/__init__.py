@@ -2,6 +2,7 @@
 from . import ops
 from . import lone_replica
 from .backend import backend_info, backend_name, serves_single_device
+from .checks import check_pending
 from .frozen_batchnorm import FrozenBatchNormFunction, frozen_batch_norm
 from .replicas import ReplicaSyncError, resolve_timeout
 from .sync_batchnorm import SyncBatchNormFunction, sync_batch_norm
@@ -11,6 +12,7 @@ __all__ = [
     "ReplicaSyncError",
     "SyncBatchNormFunction",
     "backend_info",
+    "check_pending",
     "frozen_batch_norm",
     "backend_name",
     "resolve_timeout",

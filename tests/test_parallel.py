@@ -3,6 +3,7 @@ for modules without batch norm."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import namedtuple
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from modules import nn as NN
+from functions import ReplicaSyncError
 from modules.parallel import ThreadedDataParallel
 
 Pair = namedtuple("Pair", "first second")
@@ -74,6 +76,53 @@ def test_forward_and_backward_run_replicas_concurrently() -> None:
     ThreadedDataParallel(Model(), ["cpu"] * 3)(x).sum().backward()
     assert len(set(threads)) == 3 and threading.get_ident() not in threads
     torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+
+
+def test_replica_backward_stays_on_its_thread_for_every_device() -> None:
+    # with autograd multithreading off on the replica thread, the engine runs CUDA nodes there
+    # too, instead of queueing them on its device thread, which (running the gather's backward,
+    # waiting for the replicas) would never take them: the deadlock of replicas on CUDA
+    seen: list = []
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(torch._C._is_multithreading_enabled())
+            return grad
+
+    class Model(nn.Module):
+        def forward(self, x):
+            return Spy.apply(x)
+
+    ThreadedDataParallel(Model(), ["cpu"] * 2)(torch.randn(4, 2, requires_grad=True)).sum().backward()
+    assert seen == [False, False]
+    assert torch._C._is_multithreading_enabled()  # the caller's own setting is untouched
+
+
+def test_a_replica_stuck_outside_the_exchanges_is_named_after_the_timeout() -> None:
+    # no synchronized layer would notice it: the wrapper's own wait gives up, three timeouts
+    # after the other replica ended, and names it
+    release = threading.Event()
+
+    class StuckOnOneRow(nn.Module):
+        def forward(self, x):
+            if x.size(0) == 1:
+                release.wait(30)
+            return x * 2
+
+    runner = ThreadedDataParallel(StuckOnOneRow(), ["cpu"] * 2, timeout=0.2)
+    start = time.monotonic()
+    try:
+        with pytest.raises(ReplicaSyncError, match=r"replica\(s\) \[1\] did not finish within 0.6s"):
+            runner(torch.randn(3, 2))
+        assert time.monotonic() - start < 5
+    finally:
+        release.set()
+    assert runner(torch.randn(4, 2)).shape == (4, 2)  # the next step runs on fresh workers
 
 
 def test_grad_mode_follows_the_caller() -> None:
