@@ -12,15 +12,19 @@ layer. ``$SYNCBN_CHECKS`` says when verdicts are read:
   synchronization per layer on CUDA, as ``TORCH_DISTRIBUTED_DEBUG`` trades speed for errors);
 - ``step``: deferred. Each verdict is copied to pinned host memory without waiting, behind an
   event; every synchronized call reads those whose event has completed (no wait), and the end of
-  each backward reads the forward's (waiting only until the GPU has run the forward's
-  exchanges, not the backward's) and the backward's that are ready. A verdict is read at the
-  latest at the next step's backward, or by :func:`check_pending`;
+  each backward through a synchronized layer reads every verdict up to the last forward one
+  (waiting only until the GPU has run the forward's exchanges, not the backward's) and the later
+  ones that are ready. A verdict is read at the latest at the end of the next such backward, or
+  by :func:`check_pending`;
 - unset (default): ``layer`` for CPU tensors, ``step`` for CUDA tensors.
 
 A deferred failure raises the same error as ``layer`` mode would have, later (its message says
-when). Meanwhile the step went on with the statistics as gathered; a rank that raised at once
-(bad input) has left the others a collective it never joins, which they wait for until the
-process group's timeout (``init_process_group(timeout=...)``): never a silent hang.
+so); the verdicts pending then are dropped with it (they are most often its consequences).
+Meanwhile the step went on with the statistics as gathered, but a failed exchange changed no
+running statistics (its count is NaN on the device, :func:`functions.distributed.all_gather_stats`).
+A rank that raised at once (its own bad input) joined that exchange with a failed flag and then
+stops: the others raise when they read that verdict, or wait at their next collective until the
+process group's timeout (``init_process_group(timeout=...)``), never a silent hang.
 """
 from __future__ import annotations
 
@@ -117,21 +121,27 @@ def _defer(verdict: Tensor, explain: Explain) -> None:
     if overflow is not None:
         _raise_if_failed(overflow)
     if in_backward:
-        _read_when_backward_ends()
+        read_when_backward_ends()
 
 
-def _read_when_backward_ends() -> None:
-    """Queue one read of the deferred verdicts at the end of the running backward."""
+def read_when_backward_ends() -> None:
+    """Queue one read of the deferred verdicts at the end of the running backward (called from a
+    synchronized layer's backward; nothing where none is pending)."""
+    if not _pending:
+        return
     task = torch._C._current_graph_task_id()
     with _lock:
-        if task in _read_at_end_of:
+        if task == -1 or task in _read_at_end_of:
             return
         _read_at_end_of.add(task)
 
     def read() -> None:
         with _lock:
             _read_at_end_of.discard(task)
-        _read_pending(wait=lambda check: not check.backward)
+            # up to the last forward verdict, waiting: one stream orders them, so the wait is for
+            # the forward's exchanges, not for the backward still running on the device
+            last_forward = max((i for i, check in enumerate(_pending) if not check.backward), default=-1)
+        _read_pending(waits=last_forward + 1)
 
     torch.autograd.Variable._execution_engine.queue_callback(read)
 
@@ -139,23 +149,25 @@ def _read_when_backward_ends() -> None:
 def poll() -> None:
     """Read the deferred verdicts that are ready, without waiting (every synchronized call)."""
     if _pending:
-        _read_pending(wait=lambda check: False)
+        _read_pending(waits=0)
 
 
 def check_pending() -> None:
     """Read every deferred verdict now, waiting for the device where need be; raises the first
     failure. Call it where a loop without backward (statistics recalibration) must know."""
-    _read_pending(wait=lambda check: True)
+    _read_pending(waits=MAX_PENDING + 1)
 
 
-def _read_pending(wait: Callable[[_Deferred], bool]) -> None:
-    """Read, oldest first, the deferred verdicts that are ready or that ``wait`` says to wait
-    for; stop at the first that is neither. Raises the first failure (dropping the rest)."""
+def _read_pending(waits: int) -> None:
+    """Read the deferred verdicts oldest first: the first ``waits`` of them whether or not they
+    are ready (waiting for the device), then while they are ready. Raises the first failure
+    (dropping the rest)."""
     while True:
         with _lock:
-            if not _pending or not (_pending[0].is_ready() or wait(_pending[0])):
+            if not _pending or not (waits > 0 or _pending[0].is_ready()):
                 return
             check = _pending.popleft()
+        waits -= 1
         _raise_if_failed(check)
 
 

@@ -178,18 +178,22 @@ def all_gather_stats(local: LocalStats, call: ProcessGroupCall) -> tuple[int | T
     ``local.mean`` and ``local.m2`` are ``(C,)`` float64 on the collective's device (the current
     CUDA device for NCCL, the CPU for Gloo); so are the mean and variance returned. The count is
     an int where the checks are read at once (:mod:`functions.checks`), else a 0-dim float64
-    tensor on that device, never read on the host. The checks raise alike on every rank when the
-    ranks are at different calls, disagree on the dtype, one reported a failure, or they hold
-    one value per channel between them.
+    tensor on that device, never read on the host, and NaN where the checks failed (so that
+    nothing is updated from a failed exchange: :func:`functions.reference.update_running_stats`).
+    The checks raise alike on every rank when the ranks are at different calls, disagree on the
+    dtype, one reported a failure, or they hold one value per channel between them.
     """
-    checks.poll()
     rows = _all_gather_rows(_stats_row(local, call, failed=False), call.group)
-    read = checks.verify(_forward_verdict(rows[:, :HEADER_SIZE]), lambda values: _explain_forward(call, values))
+    verdict = _forward_verdict(rows[:, :HEADER_SIZE])
+    read = checks.verify(verdict, lambda values: _explain_forward(call, values))
     channels = local.mean.numel()
     counts = rows[:, HEADER_SIZE - 1]
     means, m2s = rows[:, HEADER_SIZE : HEADER_SIZE + channels], rows[:, HEADER_SIZE + channels :]
     total, mean, var = stats.merge_on_device(counts, means, m2s)
-    return (total if read is None else int(read[_FORWARD_FLAGS])), mean, var
+    if read is not None:
+        return int(read[_FORWARD_FLAGS]), mean, var
+    passed = (verdict[:_FORWARD_FLAGS] == 0).all()
+    return torch.where(passed, total, torch.nan), mean, var
 
 
 def report_failure(call: ProcessGroupCall, channels: int, device: torch.device) -> None:

@@ -242,11 +242,12 @@ def update_running_stats(
     average) when it is None, taken on the device (no host read). An empty batch only counts.
     ``count`` may be a 0-dim tensor on the device (the operator takes an int): then an empty
     or one-value batch is told apart on the device too, and leaves the statistics as they were
-    (the one-value error is the checks' business, :mod:`functions.checks`).
+    (the one-value error is the checks' business, :mod:`functions.checks`); a NaN count (a
+    failed exchange) leaves ``num_batches_tracked`` too.
     """
-    if num_batches_tracked is not None:
-        num_batches_tracked.add_(1)
     on_device = isinstance(count, Tensor)
+    if num_batches_tracked is not None:
+        num_batches_tracked.add_(count.isnan().logical_not() if on_device else 1)
     if running_mean is None or running_var is None or (not on_device and count == 0):
         return
     if not on_device and count == 1:

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.autograd.function import Function
 from torch.nn import functional as F
 
-from . import backend, reference  # noqa: F401  (backend: registers the kernels)
+from . import backend, checks, reference  # noqa: F401  (backend: registers the kernels)
 from .reference import in_dtype, memory_format_of, values_per_channel
 from .stats import check_values_per_channel
 from .synchronization import Synchronizer
@@ -106,6 +106,8 @@ class SyncBatchNormFunction(Function):
 
     @staticmethod
     def _backward(ctx, grad_output: Tensor) -> tuple:
+        if ctx.sync is not None:
+            checks.read_when_backward_ends()  # the forward's deferred verdicts, if any
         input, weight, bias, residual, mean, invstd = ctx.saved_tensors
         x = input.contiguous(memory_format=memory_format_of(input))
         dy = grad_output.contiguous(memory_format=memory_format_of(x))

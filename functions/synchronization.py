@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from . import devices, stats
+from . import checks, devices, stats
 from .distributed import ProcessGroupCall, ProcessGroupSync, all_gather_stats, all_reduce_sums, report_failure
 from .reference import values_per_channel
 from .replicas import ReplicaCall, ReplicaHandle
@@ -136,6 +136,9 @@ class Synchronizer:
         stats.check_parts_agree(parts, self.layer)
         parts = _on_one_device(parts)
         if self.process_call is not None:
+            # a deferred failure found here raises before this rank joins the collective, so
+            # that fail() joins it with a failed flag: the ranks' collectives stay paired
+            checks.poll()
             self._joined_collective = True
             return all_gather_stats(stats.merge_into_one(parts), self.process_call)
         stats.check_values_per_channel(sum(part.count for part in parts), self.layer, [p.input_shape for p in parts])

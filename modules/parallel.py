@@ -10,6 +10,7 @@ original graph. Devices may repeat: ``['cpu'] * 4``, ``['cuda:0'] * 2``.
 """
 from __future__ import annotations
 
+import faulthandler
 import queue
 import threading
 import time
@@ -173,10 +174,15 @@ class _Worker:
             cls._idle.extend(workers)
 
 
+STEP_TIMEOUTS = 10
+"""A replica's job (its forward or its backward) may take this many timeouts (10 minutes by
+default) before the wrapper gives up on it: enough for any step, short of a hang."""
+
 STRAGGLER_TIMEOUTS = 3
-"""A replica exchange waits up to twice its timeout (once more when the master is combining):
-the wrapper's own wait for the last replicas of a step is longer, so that the layer's error,
-which says where, comes first."""
+"""Once one replica of a step with synchronized layers has ended, the others, which run in
+lockstep with it through those layers, get this many of the longest timeout among the wrapper's
+and the layers' own: a replica exchange waits up to twice its timeout (once more when the master
+is combining), so that the layer's error, which says where, comes first."""
 
 
 def _run_in_threads(jobs: Sequence[Callable[[], T]], rounds: Sequence[ReplicaRound], timeout: float) -> list[T]:
@@ -184,11 +190,11 @@ def _run_in_threads(jobs: Sequence[Callable[[], T]], rounds: Sequence[ReplicaRou
     the rounds of the synchronized layers are broken at once so that no replica waits for it;
     after all jobs ended, the first error that is not such a consequence is re-raised.
 
-    The wait is bounded once any job has ended (finished or failed): the others get
-    ``STRAGGLER_TIMEOUTS * timeout`` seconds more (replicas of one step run in lockstep through
-    their synchronized layers, whose own waits, which name the layer, give up first), after
-    which the rounds are broken and a :class:`ReplicaSyncError` names the stragglers. A
-    straggler's worker is not reused (it may be stuck)."""
+    Every wait is bounded: the jobs get ``STEP_TIMEOUTS * timeout`` seconds; with synchronized
+    layers (``rounds``), once one job has ended the others get ``STRAGGLER_TIMEOUTS`` times the
+    longest timeout more. Past that, the rounds are broken, every thread's stack is written to
+    stderr and a :class:`ReplicaSyncError` names the stragglers, whose workers are not reused
+    (they may be stuck)."""
     results: list[Any] = [None] * len(jobs)
     errors: list[BaseException | None] = [None] * len(jobs)
     ended = [False] * len(jobs)
@@ -208,35 +214,45 @@ def _run_in_threads(jobs: Sequence[Callable[[], T]], rounds: Sequence[ReplicaRou
     workers = _Worker.take(len(jobs))
     for index, worker in enumerate(workers):
         worker.submit(lambda index=index: work(index))
-    timeout *= STRAGGLER_TIMEOUTS
-    stragglers = _wait_for_jobs(ended, ending, timeout)
+    straggling = STRAGGLER_TIMEOUTS * max([timeout, *(round.timeout for round in rounds)]) if rounds else None
+    stragglers = _wait_for_jobs(ended, ending, STEP_TIMEOUTS * timeout, straggling)
     _Worker.give_back([w for w, done in zip(workers, ended) if done])
     if stragglers:
-        error = ReplicaSyncError(
-            f"ThreadedDataParallel: replica(s) {stragglers} did not finish within {timeout:g}s after the others "
-            f"had ended (replicas {[i for i, done in enumerate(ended) if done]}); their rounds are broken. "
-            "The wait is set by timeout= or $SYNCBN_TIMEOUT."
-        )
-        abort_rounds(rounds, error)
-        errors.append(error)
+        errors.append(_stragglers_error(stragglers, ended, rounds))
     failed = [e for e in errors if e is not None]
     if failed:
         raise next((e for e in failed if not isinstance(e, ReplicaSyncError)), failed[0])
     return results
 
 
-def _wait_for_jobs(ended: list[bool], ending: threading.Condition, timeout: float) -> list[int]:
-    """Wait until every job has ended, or ``timeout`` seconds after the first one did; returns
-    the indices of the jobs still running then."""
+def _wait_for_jobs(ended: list[bool], ending: threading.Condition, step: float, straggling: float | None) -> list[int]:
+    """Wait until every job has ended, at most ``step`` seconds, and at most ``straggling``
+    seconds after the first one ended (None: no such limit); the jobs still running then."""
+    deadline = time.monotonic() + step
     with ending:
-        ending.wait_for(lambda: any(ended))
-        deadline = time.monotonic() + timeout
         while not all(ended):
+            if straggling is not None and any(ended):
+                deadline, straggling = min(deadline, time.monotonic() + straggling), None
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return [i for i, done in enumerate(ended) if not done]
             ending.wait(remaining)
     return []
+
+
+def _stragglers_error(stragglers: list[int], ended: list[bool], rounds: Sequence[ReplicaRound]) -> ReplicaSyncError:
+    """Break the rounds (a straggler waiting in one is released) and say who hangs, with every
+    thread's stack on stderr to show where."""
+    finished = [i for i, done in enumerate(ended) if done]
+    error = ReplicaSyncError(
+        f"ThreadedDataParallel: replica(s) {stragglers} did not finish in time"
+        + (f" after replicas {finished} had ended" if finished else "")
+        + "; their rounds are broken and every thread's stack was written to stderr. The wait is "
+        "set by timeout= or $SYNCBN_TIMEOUT."
+    )
+    abort_rounds(rounds, error)
+    faulthandler.dump_traceback(all_threads=True)
+    return error
 
 
 _LONE_TENSOR = "a lone tensor"
@@ -526,10 +542,11 @@ class ThreadedDataParallel(nn.Module):
     replica 0 (on ``devices[0]``) are the module's own. Each replica's backward runs on its own
     thread (never on the autograd engine's device threads), so synchronized batch norm replicas
     meet in backward on the CPU too, and on one GPU repeated. When a replica raises, the others
-    are released at once and the original error is re-raised. Once one replica of a step has
-    ended, the others get three times ``timeout`` more (default ``$SYNCBN_TIMEOUT``, else 60 s)
-    before a :class:`~functions.ReplicaSyncError` names them (a synchronized layer's own wait,
-    which names the layer, gives up first).
+    are released at once and the original error is re-raised. Every wait is bounded by
+    ``timeout`` (default ``$SYNCBN_TIMEOUT``, else 60 s): a replica's forward or backward may take
+    ten times it; with synchronized layers, once one replica has ended the others get three
+    times the longest of the wrapper's and the layers' timeouts (a layer's own wait, which names
+    the layer, gives up first); then a :class:`~functions.ReplicaSyncError` names them.
 
     Chunks that stay on their device are views of the caller's tensors, not copies (as
     nn.DataParallel's chunk on its own device): a replica's in-place op on its input writes to

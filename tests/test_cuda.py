@@ -52,6 +52,7 @@ def test_ops_run_on_the_current_stream() -> None:
     torch.testing.assert_close(m2, m2_ref)
 
 
+@needs_ops
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=str)
 def test_ops_run_on_the_inputs_device_not_the_current_one(memory_format) -> None:
@@ -67,10 +68,11 @@ def test_ops_run_on_the_inputs_device_not_the_current_one(memory_format) -> None
         dx = OPS.backward_elemt(dy1, x1, m, invstd, None, *sums, x1.numel() // 8)
     assert {t.device for t in (mean, m2, y, *sums, dx)} == {x1.device}
     torch.cuda.synchronize(1)
-    torch.testing.assert_close(mean, ref.local_stats(x1)[0])
-    torch.testing.assert_close(y, ref.elemt_forward(x1, m, invstd, None, None))
-    torch.testing.assert_close(sums, ref.backward_reduce(dy1, x1, m))
-    torch.testing.assert_close(dx, ref.backward_elemt(dy1, x1, m, invstd, None, *sums, x1.numel() // 8))
+    tol = kernel_tests.tolerance(torch.float32)
+    torch.testing.assert_close(mean, ref.local_stats(x1)[0], **tol)
+    torch.testing.assert_close(y, ref.elemt_forward(x1, m, invstd, None, None), **tol)
+    torch.testing.assert_close(sums, ref.backward_reduce(dy1, x1, m), **kernel_tests.sum_tolerance(torch.float32, x1.numel() // 8))
+    torch.testing.assert_close(dx, ref.backward_elemt(dy1, x1, m, invstd, None, *sums, x1.numel() // 8), **tol)
 
 
 def test_devices_helpers_copy_in_stream_order() -> None:
@@ -256,6 +258,7 @@ def test_a_synchronized_step_never_synchronizes_the_host() -> None:
     torch.cuda.synchronize()
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nn.DataParallel replicates on two GPUs or more")
 def test_stock_data_parallel_on_a_side_stream() -> None:
     """Stock nn.DataParallel over every visible GPU, called on a non-default stream: the
     replicas run on that stream (parallel_apply enters it), so must our fences and copies."""

@@ -107,27 +107,45 @@ def test_local_stats_of_a_constant_channel_from_torchs_invstd() -> None:
     assert m2[0] == 0
 
 
-def test_backward_elemt_beyond_int32_counts_takes_the_reference(monkeypatch) -> None:
-    # torch's op sums int32 counts; a larger count must not overflow into a wrong gradient
-    seen = []
-    monkeypatch.setattr(torch, "batch_norm_backward_elemt", lambda *args: seen.append(args))
-    x = torch.randn(2, 3, 4)
-    args = (torch.randn_like(x), x, torch.zeros(3), torch.ones(3), None, torch.ones(3), torch.ones(3))
-    backend.TORCH_CUDA_OPS["backward_elemt"](*args, 2**31 + 5)
-    assert seen == []
-    backend.TORCH_CUDA_OPS["backward_elemt"](*args, 8)
-    assert len(seen) == 1 and seen[0][-1].dtype == torch.int32 and int(seen[0][-1].sum()) == 8
+def test_backward_elemt_beyond_int32_counts_divides_first() -> None:
+    # torch's op takes int32 counts: a larger count must not overflow into a wrong gradient
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    mean, invstd = x.mean((0, 2)), torch.rand(3, dtype=torch.float64) + 0.5
+    dy = torch.randn_like(x)
+    sums = ref.backward_reduce(dy, x, mean)
+    big = 2**31 + 5
+    with torch_cuda_ops.emulated():
+        dx = backend.TORCH_CUDA_OPS["backward_elemt"](dy, x, mean, invstd, None, *sums, big)
+    torch.testing.assert_close(dx, ref.backward_elemt(dy, x, mean, invstd, None, *sums, big), atol=1e-12, rtol=1e-12)
 
 
 def test_torch_ops_make_no_host_reads_nor_pageable_copies() -> None:
     x = torch.randn(4, 3, 5, 5)
     m, invstd = torch.zeros(3), torch.ones(3)
-    reads = HostReads()
-    with torch_cuda_ops.emulated(), reads:
+    with torch_cuda_ops.emulated(), HostReads() as reads:
         backend.TORCH_CUDA_OPS["local_stats"](x)
         backend.TORCH_CUDA_OPS["elemt_forward"](x, m, invstd, None, None)
         sums = backend.TORCH_CUDA_OPS["backward_reduce"](x, x, m)
         backend.TORCH_CUDA_OPS["backward_elemt"](x, x, m, invstd, None, *sums, 100)
+    assert reads.seen == [], reads.report()
+
+
+def test_reference_kernels_that_serve_cuda_make_no_host_reads() -> None:
+    # on the default CUDA route the reference serves the per-channel operators and the fused
+    # forms: what a synchronized step, a lone replica with momentum None and a fused layer call
+    x, z = torch.randn(4, 3, 5, 5), torch.randn(4, 3, 5, 5)
+    m, invstd, w = torch.zeros(3), torch.ones(3), torch.rand(3) + 0.5
+    counts, means = torch.tensor([3.0, 0.0, 4.0], dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)
+    running = [(torch.zeros(3), torch.ones(3), torch.tensor(2)) for _ in range(6)]
+    count = torch.tensor(100.0, dtype=torch.float64)
+    with HostReads() as reads:
+        ref.merge_stats(counts, means, means.abs())
+        for momentum in (0.1, None):
+            ref.update_running_stats(*running.pop(), momentum, means[0], means[1].abs(), 100)
+            ref.update_running_stats(*running.pop(), momentum, means[0], means[1].abs(), count)
+            ref.batch_norm_train(x, w, None, *running.pop(), momentum, 1e-5)
+        ref.elemt_forward(x, m, invstd, w, None, z, 0.1)
+        ref.backward_affine_act(z, x, m, invstd, w, None, z, 0.0, True, True, True)
     assert reads.seen == [], reads.report()
 
 
@@ -148,12 +166,11 @@ def in_every_thread(monkeypatch: pytest.MonkeyPatch, mode) -> Iterator[None]:
 
 
 @contextmanager
-def host_reads_in_every_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostReads]:
-    """Host reads recorded on this thread and in every replica thread; the pinned copies of
-    ``devices.host_values_on`` are let through."""
-    reads = HostReads()
+def host_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostReads]:
+    """Host reads recorded in every thread; the pinned copies of ``devices.host_values_on`` are
+    let through."""
     monkeypatch.setattr(devices, "host_values_on", allowed(devices.host_values_on))
-    with in_every_thread(monkeypatch, reads):
+    with HostReads() as reads:
         yield reads
 
 
@@ -176,7 +193,7 @@ def test_a_threaded_step_reads_nothing_on_the_host(monkeypatch, replicas) -> Non
     runner = ThreadedDataParallel(resnet_block(), ["cpu"] * replicas)
     x = torch.randn(7, 3, 6, 6, requires_grad=True)
     runner(x).sum().backward()  # first step: workers started, kernels loaded
-    with host_reads_in_every_thread(monkeypatch) as reads:
+    with host_reads(monkeypatch) as reads:
         for _ in range(2):
             runner(x).sum().backward()
     assert reads.seen == [], reads.report()
@@ -219,3 +236,45 @@ def test_a_deferred_failure_is_read_at_the_end_of_the_backward(monkeypatch) -> N
     Checked.apply(x)
     with pytest.raises(RuntimeError, match="ranks disagree"):
         checks.check_pending()
+
+
+class NotYetRun:
+    """An event the device has not reached yet (``query`` False) until it is waited for."""
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.waited
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+
+def test_the_end_of_a_backward_waits_for_the_forwards_verdicts_behind_older_ones(monkeypatch) -> None:
+    # on one stream a previous backward's verdict that the GPU has not reached yet comes first:
+    # the read must wait past it to the forward's, not stop there
+    monkeypatch.setattr(checks, "_pending", checks.deque())
+    fails = lambda values: RuntimeError("the forward's verdict") if values[0] else None  # noqa: E731
+    older, forward, later = NotYetRun(), NotYetRun(), NotYetRun()
+    checks._pending.extend(
+        [
+            checks._Deferred(torch.zeros(1), older, fails, backward=True),
+            checks._Deferred(torch.ones(1), forward, fails, backward=False),
+            checks._Deferred(torch.zeros(1), later, fails, backward=True),
+        ]
+    )
+
+    class Layer(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            checks.read_when_backward_ends()
+            return g
+
+    with pytest.raises(RuntimeError, match="the forward's verdict"):
+        Layer.apply(torch.randn(2, requires_grad=True)).sum().backward()
+    assert older.waited and forward.waited and not later.waited  # the backward's own: not waited for

@@ -291,8 +291,7 @@ def test_ddp_buffer_broadcast(rank: int, world: int) -> None:
 
 @across_processes(2)
 def test_global_count_one_raises_on_every_rank(rank: int, world: int) -> None:
-    layer = global_count_one(rank, expect_error_on_every_rank)
-    assert int(layer.num_batches_tracked) == 0  # raised before the update
+    global_count_one(rank, expect_error_on_every_rank)
 
 
 @across_processes(2, 3)
@@ -370,6 +369,7 @@ def call_count_mismatch(rank: int, expect: Callable[..., None]) -> None:
     # rank 0 calls `first` twice, the others call `second`
     layer = first if rank == 0 else second
     expect(lambda: layer(x), RuntimeError, "different synchronized calls", f"'{layer.layer_name}'")
+    assert int(layer.num_batches_tracked) == (1 if rank == 0 else 0)  # the failed exchange counts nothing
 
 
 def backward_order_mismatch(rank: int, expect: Callable[..., None]) -> None:
@@ -385,6 +385,7 @@ def dtype_mismatch(rank: int, expect: Callable[..., None]) -> None:
     dtype = torch.float64 if rank == 0 else torch.float32
     layer = NN.SyncBatchNorm1d(4, dtype=dtype)
     expect(lambda: layer(torch.randn(3, 4, dtype=dtype)), RuntimeError, "disagree on the input dtype")
+    assert int(layer.num_batches_tracked) == 0 and torch.equal(layer.running_mean, torch.zeros(4, dtype=dtype))
 
 
 def bad_input_on_one_rank(rank: int, expect: Callable[..., None]) -> None:
@@ -394,14 +395,15 @@ def bad_input_on_one_rank(rank: int, expect: Callable[..., None]) -> None:
         expect_error_on_every_rank(lambda: layer(x), RuntimeError, "expected 4 channels")
     else:
         expect(lambda: layer(x), RuntimeError, "rank(s) [1]", "failed before this exchange")
+    assert int(layer.num_batches_tracked) == 0 and torch.equal(layer.running_mean, torch.zeros(4))
 
 
-def global_count_one(rank: int, expect: Callable[..., None]) -> nn.Module:
+def global_count_one(rank: int, expect: Callable[..., None]) -> None:
     layer = NN.SyncBatchNorm2d(3)
     x = torch.randn(1 if rank == 0 else 0, 3, 1, 1)
     expect(lambda: layer(x), ValueError, "more than 1 value per channel", "ranks")
     assert torch.equal(layer.running_mean, torch.zeros(3)) and torch.equal(layer.running_var, torch.ones(3))
-    return layer
+    assert int(layer.num_batches_tracked) == 0
 
 
 MISMATCHES = [call_count_mismatch, backward_order_mismatch, dtype_mismatch, bad_input_on_one_rank, global_count_one]
@@ -475,8 +477,9 @@ def deferred_checks() -> Iterator[None]:
     os.environ[checks.CHECKS_ENV] = "step"
     try:
         yield
+        checks.check_pending()  # nothing left unread (a body that raised leaves them below)
     finally:
-        checks.check_pending()
+        checks._pending.clear()  # the next behaviour of this process starts clean
         if previous is None:
             del os.environ[checks.CHECKS_ENV]
         else:
@@ -527,8 +530,8 @@ def test_deferred_checks_read_nothing_on_the_host_until_the_step_ends(rank: int,
 
 @across_processes(2)
 def test_deferred_errors_on_every_rank(rank: int, world: int) -> None:
-    # the same mismatches as at once; the layer itself goes through (one-value batches leave the
-    # running statistics alone, but count, as the update happens on the device)
+    # the same mismatches as at once, raised later; meanwhile a failed exchange changes no
+    # running statistics, as at once (its count is NaN on the device)
     with deferred_checks():
         for mismatch in MISMATCHES:
             mismatch(rank, expect_deferred_error)
