@@ -17,8 +17,8 @@ Two kinds of extension, built separately so that the CUDA one never takes the CP
   failure is an error). The toolkit is ``CUDA_HOME`` or ``CUDA_PATH``, else the real location of
   ``nvcc`` on the PATH (through symbolic links and ``exec`` wrapper scripts); the build says
   which. ``TORCH_CUDA_ARCH_LIST`` is honoured; without it, the visible GPUs' architectures, else
-  ``7.5;8.0;9.0+PTX`` (CUDA 13 has no sm_70). No ``--use_fast_math``: the kernels rely on IEEE
-  division, rounding and the sign of their results.
+  ``7.5;8.0;8.7;9.0+PTX`` (CUDA 13 has no sm_70; 8.7 is Jetson Orin). No ``--use_fast_math``:
+  the kernels rely on IEEE division, rounding and the sign of their results.
 
 ``CXX`` and ``MAX_JOBS`` are honoured as by every torch extension. Build in place with
 ``./make_ext.sh``, or install with ``pip install --no-build-isolation -e .`` (or without ``-e``):
@@ -52,7 +52,7 @@ CPU_CAPABILITY_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
     "DEFAULT": [],
 }
-DEFAULT_CUDA_ARCHS = "7.5;8.0;9.0+PTX"
+DEFAULT_CUDA_ARCHS = "7.5;8.0;8.7;9.0+PTX"
 CUDA_EXTENSION = "functions._C_cuda"
 SKIP_HINT = "SYNCBN_CUDA=0 skips the CUDA kernels; SYNCBN_CUDA=1 makes any CUDA failure an error"
 
@@ -172,7 +172,7 @@ def cuda_arch_list() -> str:
 
 
 def unsupported_archs(toolkit: Toolkit, archs: str) -> list[str]:
-    """Entries of ``archs`` (``7.5;8.0;9.0+PTX``) that this toolkit's nvcc cannot build for."""
+    """Entries of ``archs`` (``7.5;8.0;8.7;9.0+PTX``) that this toolkit's nvcc cannot build for."""
     try:
         listed = subprocess.run([toolkit.nvcc, "--list-gpu-arch"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError):

@@ -169,3 +169,65 @@ def test_backend_info_names_the_cuda_backend_that_the_environment_asks_for(env: 
         assert built or "cuda_reason" in info, info  # asked for and missing: it says why
     assert info["cuda"] == cuda, info
     assert (info["cpu"] == "reference") == ("SYNCBN_KERNELS" in env), info
+
+
+PTXAS_LOG = """\
+ptxas info    : Compiling entry function '_Z4wideRf' for 'sm_90'
+ptxas info    : Function properties for _Z4wideRf
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 200 registers, used 0 barriers, 380 bytes cmem[0]
+ptxas info    : Compiling entry function '_Z5loosePf' for 'sm_90'
+ptxas info    : Function properties for _Z5loosePf
+    0 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads
+ptxas info    : Used 40 registers, used 0 barriers, 1024 bytes smem, 380 bytes cmem[0]
+ptxas info    : Compiling entry function '_Z4finePf' for 'sm_90'
+ptxas info    : Function properties for _Z4finePf
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 64 registers, used 1 barriers, 16384 bytes smem, 380 bytes cmem[0]
+"""
+
+PTX = """\
+.version 8.0
+.target sm_90
+.address_size 64
+.visible .entry _Z4wideRf(
+\t.param .u64 _Z4wideRf_param_0
+)
+.maxntid 512, 1, 1
+{
+\tret;
+}
+.visible .entry _Z5loosePf(
+\t.param .u64 _Z5loosePf_param_0
+)
+{
+\tret;
+}
+.visible .entry _Z4finePf(
+\t.param .u64 _Z4finePf_param_0
+)
+.maxntid 256, 1, 1
+.minnctapersm 1
+{
+\tret;
+}
+"""
+
+
+def test_the_cuda_resource_check_names_every_kernel_that_cannot_launch_or_spills(tmp_path) -> None:
+    # what tools/check_cuda.sh runs on nvcc's -Xptxas -v log and kept PTX: a kernel whose
+    # registers x declared block exceed a block's 65,536 registers, one that declares no block
+    # size and spills; the one that fits passes
+    kernels = tmp_path / "reductions.cu"
+    kernels.mkdir()
+    (kernels / "ptxas.log").write_text(PTXAS_LOG)
+    (kernels / "reductions.ptx").write_text(PTX)
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "cuda_resources.py"), str(kernels)], capture_output=True, text=True)
+    assert run.returncode == 1, run.stdout + run.stderr
+    failed = [line for line in run.stderr.splitlines() if "FAILED" in line]
+    assert len(failed) == 3, run.stderr
+    assert any("wide" in line and "200 registers x 512 threads = 102400" in line for line in failed)
+    assert any("loose" in line and "declares no block size" in line for line in failed)
+    assert any("loose" in line and "spills (8 bytes stored, 8 loaded)" in line for line in failed)
+    assert not any("fine" in line for line in failed)
+    assert re.search(r"sm_90\s+64\s+256\s+16384\s+16384\s+0/0\s+fine", run.stdout), run.stdout

@@ -1,5 +1,5 @@
-// Per-thread accumulators (Welford/Chan moments, backward sums, their folding into double) and
-// their warp and block merges.
+// Per-thread accumulators (Welford/Chan moments, backward sums, their folding into double, their
+// channels_last lanes) and their warp and block merges.
 #pragma once
 
 #include "packs.cuh"
@@ -27,11 +27,17 @@ struct Welford {
       *this = o;
       return;
     }
-    const T total = n + o.n, delta = o.mean - mean, f = o.n / total;
+    const T total = n + o.n;
+    merge_moments(o, o.n / total);
+    n = total;
+  }
+  // Chan's update of mean, m2 and sum by o's, f = o.n / (n + o.n): lanes that share their
+  // counts share f (Lanes<Welford>)
+  __device__ __forceinline__ void merge_moments(const Welford& o, T f) {
+    const T delta = o.mean - mean;
     mean += delta * f;
     m2 += o.m2 + delta * delta * n * f;
     sum += o.sum;
-    n = total;
   }
   __device__ __forceinline__ Welford shfl_down(int offset) const {
     return {__shfl_down_sync(kFullMask, n, offset), __shfl_down_sync(kFullMask, mean, offset),
@@ -65,35 +71,157 @@ struct Sums {
 // Per-thread accumulation in float, folded into double every kFoldUpdates updates (the CPU
 // kernels' rule, src/cpu/pieces.h): a float32 Welford mean that ran over more values left the
 // weight gradient 5x-8x further from the truth than torch's double accumulation on data with a
-// large mean. `Kind` is Welford or Sums; warps, blocks and splits then merge in double.
+// large mean. `Kind` is Welford or Sums (or Lanes of them); warps, blocks and splits then merge
+// in double. float64 inputs accumulate in double throughout (fold does nothing).
+//
+// The kernels fold after every fold_items<V, kPerLane>() items, outside their inner loop
+// (accumulate): a fold inside it (a counter and a branch per update) made ptxas copy the double
+// accumulators on every iteration, 196 registers for 8 channels_last lanes of halves. Folding a
+// partial chunk at the end gives the same bits as merging it in to_double.
 constexpr int kFoldUpdates = 16;
 
-template <template <typename> class Kind>
-struct FoldingAcc {
-  Kind<float> run{};
-  Kind<double> folded{};
-  int updates = 0;
+template <template <typename> class Kind, typename acc_t>
+struct ThreadAcc {
+  static constexpr bool kFolds = std::is_same_v<acc_t, float>;
+  Kind<acc_t> run{};
+  Kind<double> folded{};  // unused for float64
 
   template <typename... Values>
-  __device__ __forceinline__ void add(Values... values) {
+  __device__ __forceinline__ void add(const Values&... values) {
     run.add(values...);
-    if (++updates == kFoldUpdates) {
+  }
+  __device__ __forceinline__ void fold() {
+    if constexpr (kFolds) {
       folded.merge(run.to_double());
-      run = Kind<float>{};
-      updates = 0;
+      run = Kind<acc_t>{};
     }
   }
   __device__ __forceinline__ Kind<double> to_double() const {
-    Kind<double> total = folded;
-    total.merge(run.to_double());
-    return total;
+    if constexpr (kFolds) {
+      Kind<double> total = folded;
+      total.merge(run.to_double());
+      return total;
+    } else {
+      return run;
+    }
   }
 };
 
-// What a thread accumulates in: float that folds into double for the float accumulation type
-// (float32, bfloat16, float16 inputs), double for float64.
-template <template <typename> class Kind, typename acc_t>
-using ThreadAcc = std::conditional_t<std::is_same_v<acc_t, float>, FoldingAcc<Kind>, Kind<acc_t>>;
+// Items between two folds: an item adds its V values one after another (contiguous: V
+// updates) or one to each of V lanes (channels_last: one update of every lane).
+template <int V, bool kPerLane>
+constexpr int fold_items() {
+  static_assert(kPerLane || kFoldUpdates % V == 0, "a fold falls between two packs");
+  return kPerLane ? kFoldUpdates : kFoldUpdates / V;
+}
+
+// A thread's loop: item() while more(), acc folded after every kItems items (in chunks: no
+// fold in the inner loop; a plain loop where nothing folds).
+template <int kItems, typename Acc, typename More, typename Item>
+__device__ __forceinline__ void accumulate(Acc& acc, More more, Item item) {
+  if constexpr (Acc::kFolds) {
+    while (more()) {
+      for (int i = 0; i < kItems && more(); ++i) item();
+      acc.fold();
+    }
+  } else {
+    while (more()) item();
+  }
+}
+
+// V lanes of a Kind (Welford<T>, Sums<T>): a channels_last thread's V consecutive channels,
+// every item adding one value to each lane (add takes arrays of V: lane j gets values[j]...).
+// Each lane runs Kind's own arithmetic; the Welford lanes keep their count n once (their
+// specialization below).
+template <typename K, int V>
+struct Lanes {
+  K each[V];
+
+  __device__ __forceinline__ K lane(int j) const { return each[j]; }
+  template <typename... Values>
+  __device__ __forceinline__ void add(const Values&... values) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) each[j].add(values[j]...);
+  }
+  __device__ __forceinline__ void merge(const Lanes& o) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) each[j].merge(o.each[j]);
+  }
+  __device__ __forceinline__ auto to_double() const {
+    Lanes<decltype(K{}.to_double()), V> result;
+#pragma unroll
+    for (int j = 0; j < V; ++j) result.each[j] = each[j].to_double();
+    return result;
+  }
+};
+
+// Welford lanes share their count: n is the same in every lane (one value each per item), so it
+// is kept once, and a merge divides once for all lanes (Welford's own branches and f, hoisted).
+// Lane j is Welford<T>{n, mean[j], m2[j], sum[j]}, updated by Welford's own arithmetic.
+template <typename T, int V>
+struct Lanes<Welford<T>, V> {
+  T n;
+  T mean[V], m2[V], sum[V];
+
+  __device__ __forceinline__ Welford<T> lane(int j) const { return {n, mean[j], m2[j], sum[j]}; }
+  __device__ __forceinline__ void set(int j, const Welford<T>& w) {  // lane j's moments (not n)
+    mean[j] = w.mean;
+    m2[j] = w.m2;
+    sum[j] = w.sum;
+  }
+  __device__ __forceinline__ void add(const T (&d)[V]) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      Welford<T> w = lane(j);
+      w.add(d[j]);
+      set(j, w);
+    }
+    n += T(1);
+  }
+  __device__ __forceinline__ void merge(const Lanes& o) {
+    if (o.n == T(0)) return;
+    if (n == T(0)) {
+      *this = o;
+      return;
+    }
+    const T total = n + o.n, f = o.n / total;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      Welford<T> w = lane(j);
+      w.merge_moments(o.lane(j), f);
+      set(j, w);
+    }
+    n = total;
+  }
+  __device__ __forceinline__ Lanes<Welford<double>, V> to_double() const {
+    Lanes<Welford<double>, V> result{double(n)};
+#pragma unroll
+    for (int j = 0; j < V; ++j) result.set(j, lane(j).to_double());
+    return result;
+  }
+};
+
+// ThreadAcc for V lanes of Kind: a channels_last thread's accumulator, folding all lanes at once.
+template <template <typename> class Kind, int V>
+struct LanesOf {
+  template <typename T>
+  using Of = Lanes<Kind<T>, V>;
+};
+template <template <typename> class Kind, typename acc_t, int V>
+using ThreadLanesAcc = ThreadAcc<LanesOf<Kind, V>::template Of, acc_t>;
+
+// The V values of a pack (arrays of V, one per argument of Kind's add) into a thread's
+// accumulator: one after another into one channel's (contiguous), or as one item of V lanes
+// (channels_last).
+template <bool kPerLane, typename Acc, typename T, int V, typename... More>
+__device__ __forceinline__ void add_pack(Acc& acc, const T (&first)[V], const More&... more) {
+  if constexpr (kPerLane) {
+    acc.add(first, more...);
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc.add(first[j], more[j]...);
+  }
+}
 
 template <typename Acc>
 __device__ __forceinline__ void warp_reduce(Acc& acc) {

@@ -13,7 +13,8 @@ namespace syncbn::cuda {
 // at i, whose channel states are st[0] (contiguous) or st[0..V) (channels_last, kPerLane).
 
 template <typename Op, int V, bool kChannelsLast>
-__global__ void elementwise_kernel(Op op, int64_t packs, int64_t inner, int64_t outer) {
+__global__ void __launch_bounds__(kElementwiseThreads)
+    elementwise_kernel(Op op, int64_t packs, int64_t inner, int64_t outer) {
   // pack k = (q * outer + c) * inner + s: s its place in a channel's run (contiguous; inner = 1
   // channels_last), c its channel (contiguous) or group of V channels (channels_last)
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -48,14 +49,14 @@ void run_elementwise(const Op& op, const Layout& l, cudaStream_t stream) {
   const int64_t packs = l.numel() / V;
   if (packs == 0) return;
   const int64_t cap = int64_t(multiprocessors()) * 8 * kBlocksPerSM;
-  int64_t blocks = std::min<int64_t>(ceil_div(packs, kThreads), cap);
+  int64_t blocks = std::min<int64_t>(ceil_div(packs, kElementwiseThreads), cap);
   if (l.channels_last) {
     // a grid stride that is a multiple of the channel groups: each thread keeps its channels
-    const int64_t groups = l.C / V, period = groups / std::gcd<int64_t>(groups, kThreads);
+    const int64_t groups = l.C / V, period = groups / std::gcd<int64_t>(groups, kElementwiseThreads);
     if (period <= 4 * cap) blocks = ceil_div(blocks, period) * period;
-    elementwise_kernel<Op, V, true><<<blocks, kThreads, 0, stream>>>(op, packs, 1, l.C / V);
+    elementwise_kernel<Op, V, true><<<blocks, kElementwiseThreads, 0, stream>>>(op, packs, 1, l.C / V);
   } else {
-    elementwise_kernel<Op, V, false><<<blocks, kThreads, 0, stream>>>(op, packs, l.S / V, l.C);
+    elementwise_kernel<Op, V, false><<<blocks, kElementwiseThreads, 0, stream>>>(op, packs, l.S / V, l.C);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

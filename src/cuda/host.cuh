@@ -67,9 +67,22 @@ inline bool can_vectorize(const Layout& l, int V, std::initializer_list<const vo
   return true;
 }
 
-constexpr int kThreads = 256;              // threads per block, 1-D launches
-constexpr int kTileThreads = 512;          // threads per block, channels_last reductions (TX * TY)
+// Threads per block, one constant per kernel family: each kernel declares it as its
+// __launch_bounds__ (so ptxas fits its registers to that block: tools/check_cuda.sh checks
+// registers x block <= 65536, no spills, on every architecture built) and its launch uses it.
+constexpr int kReduceThreads = 256;        // reduce_contiguous_kernel, 1-D
+constexpr int kTileThreads = 512;          // reduce_channels_last_kernel, at most TX * TY
+constexpr int kFinishThreads = 256;        // finish_kernel, a warp per channel
+constexpr int kElementwiseThreads = 256;   // elementwise_kernel, 1-D
+constexpr int kCoefficientThreads = 256;   // coefficients_kernel, 1-D
 constexpr int kMaxTileChannels = 64;       // packs of channels per channels_last tile (TX)
+// The channels_last reduction's second bound: 1 block a multiprocessor at least, so ptxas gives
+// it the registers it needs (up to 128 a thread). With the first bound alone ptxas traded spills
+// for more resident blocks (sm_80, float64: 48 registers cut to 40 with 104 bytes of spills).
+constexpr int kTileMinBlocks = 1;
+static_assert(kReduceThreads % 32 == 0 && kReduceThreads <= 32 * 32, "block_reduce: whole warps, 32 at most");
+static_assert(kFinishThreads % 32 == 0, "finish_kernel: whole warps");
+static_assert(kMaxTileChannels <= kTileThreads, "a channels_last tile holds at least one row");
 constexpr int64_t kMaxItemsPerThread = 64; // packs a thread takes at most in one split
 constexpr int64_t kMinItemsPerThread = 4;  // below this, another split costs more than it saves
 constexpr int kBlocksPerSM = 4;            // blocks wanted per multiprocessor

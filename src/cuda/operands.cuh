@@ -12,9 +12,9 @@ namespace syncbn::cuda {
 //   2 mean_dy = sum_dy / count, 3 xmu_coef = invstd^2 * sum_dy_xmu / count (when sums given).
 
 template <typename acc_t>
-__global__ void coefficients_kernel(int64_t C, const acc_t* mean, const acc_t* invstd, const acc_t* weight,
-                                    const acc_t* bias, const acc_t* sum_dy, const acc_t* sum_dy_xmu,
-                                    double count, acc_t* out) {
+__global__ void __launch_bounds__(kCoefficientThreads)
+    coefficients_kernel(int64_t C, const acc_t* mean, const acc_t* invstd, const acc_t* weight, const acc_t* bias,
+                        const acc_t* sum_dy, const acc_t* sum_dy_xmu, double count, acc_t* out) {
   const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= C) return;
   const acc_t scale = weight == nullptr ? invstd[c] : invstd[c] * weight[c];
@@ -39,7 +39,7 @@ at::Tensor coefficients(const at::Tensor& mean, const at::Tensor& invstd, const 
   const int64_t C = mean.numel();
   auto out = at::empty({4, C}, mean.options());
   if (C == 0) return out;
-  coefficients_kernel<acc_t><<<unsigned(ceil_div(C, kThreads)), kThreads, 0, stream>>>(
+  coefficients_kernel<acc_t><<<unsigned(ceil_div(C, kCoefficientThreads)), kCoefficientThreads, 0, stream>>>(
       C, mean.const_data_ptr<acc_t>(), invstd.const_data_ptr<acc_t>(),
       static_cast<const acc_t*>(data_or_null(weight)), static_cast<const acc_t*>(data_or_null(bias)),
       static_cast<const acc_t*>(data_or_null(sum_dy)), static_cast<const acc_t*>(data_or_null(sum_dy_xmu)),

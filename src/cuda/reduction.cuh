@@ -8,30 +8,35 @@
 
 namespace syncbn::cuda {
 
-// Reduction framework. Op provides Acc (a thread's accumulator, ThreadAcc), Partial (its float64
-// form, in which warps, blocks and splits merge), `State channel(int64_t c)`, `template <int V, bool kPerLane> void item(int64_t i,
-// const State* st, Acc* acc)` and `void finish(int64_t c, const Partial& total)`.
+// Reduction framework. Op provides acc_t, `template <typename T> using Kind` (Welford or Sums:
+// a thread accumulates in ThreadAcc of it, contiguous, or ThreadLanesAcc, channels_last, and
+// folds between chunks of items), Partial (Kind<double>, in which warps, blocks and splits
+// merge), `State channel(int64_t c)`, `template <int V, bool kPerLane, typename Acc> void
+// item(int64_t i, const State* st, Acc& acc)` (add_pack of the pack's values),
+// `void finish(int64_t c, const Partial& total)`, and optionally kMaxLanes (lanes_for).
+// Every kernel declares its block size (host.cuh) as its __launch_bounds__, and its launch
+// uses that constant.
 
 template <typename Op, int V>
-__global__ void reduce_contiguous_kernel(Op op, int64_t N, int64_t C, int64_t Sv, typename Op::Partial* partial) {
-  using Acc = typename Op::Acc;
+__global__ void __launch_bounds__(kReduceThreads)
+    reduce_contiguous_kernel(Op op, int64_t N, int64_t C, int64_t Sv, typename Op::Partial* partial) {
   const int64_t c = blockIdx.x;
   const typename Op::State st = op.channel(c);
-  Acc acc{};
+  ThreadAcc<Op::template Kind, typename Op::acc_t> acc{};
   // pack k = n * Sv + s of channel c, at ((n * C + c) * Sv + s) * V
   const int64_t stride = int64_t(gridDim.y) * blockDim.x;
   const int64_t k = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
   int64_t n = k / Sv, s = k % Sv;
   const int64_t dn = stride / Sv, ds = stride % Sv;
-  while (n < N) {
-    op.template item<V, false>(((n * C + c) * Sv + s) * V, &st, &acc);
+  accumulate<fold_items<V, false>()>(acc, [&] { return n < N; }, [&] {
+    op.template item<V, false>(((n * C + c) * Sv + s) * V, &st, acc);
     s += ds;
     n += dn;
     if (s >= Sv) {
       s -= Sv;
       ++n;
     }
-  }
+  });
   __shared__ typename Op::Partial warps[32];
   const typename Op::Partial total = block_reduce(acc.to_double(), warps);  // in double
   if (threadIdx.x == 0) {
@@ -44,30 +49,32 @@ __global__ void reduce_contiguous_kernel(Op op, int64_t N, int64_t C, int64_t Sv
 }
 
 template <typename Op, int V>
-__global__ void reduce_channels_last_kernel(Op op, int64_t M, int64_t C, int64_t groups,
-                                          typename Op::Partial* partial) {
-  using Acc = typename Op::Acc;
+__global__ void __launch_bounds__(kTileThreads, kTileMinBlocks)
+    reduce_channels_last_kernel(Op op, int64_t M, int64_t C, int64_t groups, typename Op::Partial* partial) {
   const int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // channels g*V .. g*V+V-1
   const bool active = g < groups;
-  Acc acc[V];
+  ThreadLanesAcc<Op::template Kind, typename Op::acc_t, V> acc{};
   typename Op::State st[V];
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    acc[j] = Acc{};
     if (active) st[j] = op.channel(g * V + j);
   }
   if (active) {
     const int64_t stride = int64_t(gridDim.y) * blockDim.y;
-    for (int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y; r < M; r += stride) {
+    int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y;
+    accumulate<fold_items<V, true>()>(acc, [&] { return r < M; }, [&] {
       op.template item<V, true>(r * C + g * V, st, acc);
-    }
+      r += stride;
+    });
   }
   using Partial = typename Op::Partial;
   __shared__ __align__(16) unsigned char tile_bytes[kTileThreads * sizeof(Partial)];
+  static_assert(sizeof(tile_bytes) <= 48 * 1024, "static shared memory: 48 KiB at most");
   Partial* tile = reinterpret_cast<Partial*>(tile_bytes);
+  const auto lanes = acc.to_double();
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    const Partial total = column_reduce(acc[j].to_double(), tile);  // in double
+    const Partial total = column_reduce(lanes.lane(j), tile);  // in double
     if (threadIdx.y == 0 && active) {
       const int64_t c = g * V + j;
       if (gridDim.y == 1) {
@@ -81,7 +88,8 @@ __global__ void reduce_channels_last_kernel(Op op, int64_t M, int64_t C, int64_t
 
 // Second stage: one warp per channel merges its `splits` partials in a fixed order.
 template <typename Op>
-__global__ void finish_kernel(Op op, int64_t C, int64_t splits, const typename Op::Partial* partial) {
+__global__ void __launch_bounds__(kFinishThreads)
+    finish_kernel(Op op, int64_t C, int64_t splits, const typename Op::Partial* partial) {
   using Partial = typename Op::Partial;
   const int64_t c = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
@@ -92,19 +100,31 @@ __global__ void finish_kernel(Op op, int64_t C, int64_t splits, const typename O
   if (lane == 0) op.finish(c, acc);
 }
 
+// The channels a channels_last thread takes from a pack of V: V, or Op::kMaxLanes where Op
+// sets it (its accumulators for more lanes would not fit in kTileThreads' registers).
+template <typename Op, int V>
+constexpr int lanes_for() {
+  if constexpr (requires { Op::kMaxLanes; }) {
+    return std::min(V, int(Op::kMaxLanes));
+  } else {
+    return V;
+  }
+}
+
 template <typename Op, int V>
 void run_reduction(const Op& op, const Layout& l, const at::TensorOptions& options, cudaStream_t stream) {
   using Partial = typename Op::Partial;
+  constexpr int W = lanes_for<Op, V>();  // divides V: its packs are aligned and divide C too
   const int sms = multiprocessors();
   dim3 grid, block;
   if (l.channels_last) {
-    const int64_t groups = l.C / V, tiles = ceil_div(groups, kMaxTileChannels);
-    const int64_t TX = ceil_div(groups, tiles), TY = kTileThreads / TX;
-    block = dim3(unsigned(TX), unsigned(TY));
+    const int64_t groups = l.C / W, tiles = ceil_div(groups, kMaxTileChannels);
+    const int64_t TX = ceil_div(groups, tiles), TY = kTileThreads / TX;  // TX <= kMaxTileChannels
+    block = dim3(unsigned(TX), unsigned(TY));  // TX * TY <= kTileThreads, the kernel's bound
     grid = dim3(unsigned(tiles), unsigned(splits_for(l.rows(), TY, tiles, sms)));
   } else {
-    block = dim3(kThreads);
-    grid = dim3(unsigned(l.C), unsigned(splits_for(l.N * (l.S / V), kThreads, l.C, sms)));
+    block = dim3(kReduceThreads);
+    grid = dim3(unsigned(l.C), unsigned(splits_for(l.N * (l.S / V), kReduceThreads, l.C, sms)));
   }
   at::Tensor workspace;
   Partial* partial = nullptr;
@@ -114,13 +134,14 @@ void run_reduction(const Op& op, const Layout& l, const at::TensorOptions& optio
     partial = reinterpret_cast<Partial*>(workspace.data_ptr<double>());
   }
   if (l.channels_last) {
-    reduce_channels_last_kernel<Op, V><<<grid, block, 0, stream>>>(op, l.rows(), l.C, l.C / V, partial);
+    reduce_channels_last_kernel<Op, W><<<grid, block, 0, stream>>>(op, l.rows(), l.C, l.C / W, partial);
   } else {
     reduce_contiguous_kernel<Op, V><<<grid, block, 0, stream>>>(op, l.N, l.C, l.S / V, partial);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (grid.y > 1) {
-    finish_kernel<Op><<<unsigned(ceil_div(l.C * 32, kThreads)), kThreads, 0, stream>>>(op, l.C, grid.y, partial);
+    const unsigned blocks = unsigned(ceil_div(l.C * 32, kFinishThreads));  // a warp per channel
+    finish_kernel<Op><<<blocks, kFinishThreads, 0, stream>>>(op, l.C, grid.y, partial);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   // the workspace goes back to the caching allocator, which reuses it on this stream only

@@ -21,9 +21,13 @@ namespace {
 template <typename scalar_t>
 struct StatsOp {
   using acc_t = at::opmath_type<scalar_t>;
-  using Acc = ThreadAcc<Welford, acc_t>;
-  using Partial = Welford<double>;
+  template <typename T>
+  using Kind = Welford<T>;
+  using Partial = Kind<double>;
   using State = acc_t;  // the pivot
+  // channels_last: 4 Welford lanes a thread (8-byte packs of halves); 8 lanes' float and double
+  // accumulators, with their pivots, spilled from the 128 registers that kTileThreads allow
+  static constexpr int kMaxLanes = 4;
 
   const scalar_t* x;
   int64_t first_stride;  // x[c * first_stride] is channel c's first value: S contiguous, 1 channels_last
@@ -35,14 +39,13 @@ struct StatsOp {
     return isfinite(first) ? first : acc_t(0);
   }
 
-  template <int V, bool kPerLane>
-  __device__ __forceinline__ void item(int64_t i, const State* pivot, Acc* acc) const {
+  template <int V, bool kPerLane, typename Acc>
+  __device__ __forceinline__ void item(int64_t i, const State* pivot, Acc& acc) const {
     const auto v = load_pack<V>(x, i);
+    acc_t d[V];
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const int k = kPerLane ? j : 0;
-      acc[k].add(acc_t(v.val[j]) - pivot[k]);
-    }
+    for (int j = 0; j < V; ++j) d[j] = acc_t(v.val[j]) - pivot[kPerLane ? j : 0];
+    add_pack<kPerLane>(acc, d);
   }
 
   __device__ __forceinline__ void finish(int64_t c, const Partial& t) const {
@@ -61,8 +64,9 @@ struct StatsOp {
 template <typename scalar_t>
 struct GradSumsOp {
   using acc_t = at::opmath_type<scalar_t>;
-  using Acc = ThreadAcc<Sums, acc_t>;
-  using Partial = Sums<double>;
+  template <typename T>
+  using Kind = Sums<T>;
+  using Partial = Kind<double>;
   using State = acc_t;  // the channel's mean
 
   const scalar_t* dy;
@@ -73,16 +77,17 @@ struct GradSumsOp {
 
   __device__ __forceinline__ acc_t channel(int64_t c) const { return mean[c]; }
 
-  template <int V, bool kPerLane>
-  __device__ __forceinline__ void item(int64_t i, const State* m, Acc* acc) const {
+  template <int V, bool kPerLane, typename Acc>
+  __device__ __forceinline__ void item(int64_t i, const State* m, Acc& acc) const {
     const auto g = load_pack<V>(dy, i);
     const auto v = load_pack<V>(x, i);
+    acc_t d[V], d_xmu[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const int k = kPerLane ? j : 0;
-      const acc_t d = acc_t(g.val[j]);
-      acc[k].add(d, d * (acc_t(v.val[j]) - m[k]));
+      d[j] = acc_t(g.val[j]);
+      d_xmu[j] = d[j] * (acc_t(v.val[j]) - m[kPerLane ? j : 0]);
     }
+    add_pack<kPerLane>(acc, d, d_xmu);
   }
 
   __device__ __forceinline__ void finish(int64_t c, const Partial& t) const {
@@ -96,8 +101,9 @@ struct GradSumsOp {
 template <typename scalar_t>
 struct AffineActOp {
   using acc_t = at::opmath_type<scalar_t>;
-  using Acc = ThreadAcc<Sums, acc_t>;
-  using Partial = Sums<double>;
+  template <typename T>
+  using Kind = Sums<T>;
+  using Partial = Kind<double>;
   struct State {
     acc_t mean, scale, shift;
   };
@@ -117,13 +123,15 @@ struct AffineActOp {
 
   __device__ __forceinline__ State channel(int64_t c) const { return {mean[c], coef[c], coef[C + c]}; }
 
-  template <int V, bool kPerLane, bool kSums>
+  // Acc void: the elementwise pass (no sums)
+  template <int V, bool kPerLane, typename Acc>
   __device__ __forceinline__ void apply(int64_t i, const State* st, Acc* acc) const {
     const auto d = load_pack<V>(dy, i);
     const auto v = load_pack<V>(x, i);
     Pack<scalar_t, V> r{};
     if (act && residual != nullptr) r = load_pack<V>(residual, i);
     Pack<scalar_t, V> out_dx, out_g;
+    acc_t gs[V], g_xmu[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const State& s = st[kPerLane ? j : 0];
@@ -135,19 +143,21 @@ struct AffineActOp {
       }
       out_dx.val[j] = scalar_t(g * s.scale);
       out_g.val[j] = scalar_t(g);
-      if constexpr (kSums) acc[kPerLane ? j : 0].add(g, g * (xv - s.mean));
+      gs[j] = g;
+      g_xmu[j] = g * (xv - s.mean);
     }
+    if constexpr (!std::is_void_v<Acc>) add_pack<kPerLane>(*acc, gs, g_xmu);
     if (dx != nullptr) store_pack<V>(dx, i, out_dx);
     if (g_out != nullptr) store_pack<V>(g_out, i, out_g);
   }
 
   template <int V, bool kPerLane>
   __device__ __forceinline__ void item(int64_t i, const State* st) const {
-    apply<V, kPerLane, false>(i, st, nullptr);
+    apply<V, kPerLane, void>(i, st, nullptr);
   }
-  template <int V, bool kPerLane>
-  __device__ __forceinline__ void item(int64_t i, const State* st, Acc* acc) const {
-    apply<V, kPerLane, true>(i, st, acc);
+  template <int V, bool kPerLane, typename Acc>
+  __device__ __forceinline__ void item(int64_t i, const State* st, Acc& acc) const {
+    apply<V, kPerLane>(i, st, &acc);
   }
 
   __device__ __forceinline__ void finish(int64_t c, const Partial& t) const {
