@@ -21,6 +21,8 @@ from functions.stats import check_values_per_channel
 from functions.synchronization import Synchronizer
 from functions.replicas import REPLICA_ATTR, ReplicaHandle, RoundTracker, resolve_timeout
 
+from .compiler import disable_when_compiling
+
 __all__ = [
     "SyncBatchNorm",
     "SyncBatchNorm1d",
@@ -282,10 +284,9 @@ class SyncBatchNorm(_BatchNorm):
         running_mean, running_var = (self.running_mean, self.running_var) if tracks else (None, None)
         return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, True, self.momentum, self.eps)
 
-    @torch.compiler.disable
     def _forward_synced(self, input: Tensor, z: Tensor | None, handle: ReplicaHandle | None, group: Any) -> Tensor:
         """Replicas (``handle``) and/or ranks (``group``) exchange statistics, eagerly:
-        torch.compile breaks the graph here."""
+        torch.compile breaks the graph here (:func:`~modules.compiler.disable_when_compiling`)."""
         device = self.weight.device if self.weight is not None else input.device
         sync = Synchronizer.for_call(handle, group, self._process_sync, self._label(), self.num_features, device)
         try:
@@ -324,6 +325,9 @@ class SyncBatchNorm(_BatchNorm):
         return frozen_batch_norm(
             input, self.running_mean, self.running_var, self.weight, self.bias, self.eps, z, self._negative_slope()
         )
+
+
+disable_when_compiling(SyncBatchNorm, "_forward_synced")
 
 
 class SyncBatchNorm1d(SyncBatchNorm):

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from functions.devices import fetch
 from functions.replicas import ReplicaRound, ReplicaSyncError, abort_rounds, replica_rounds, resolve_timeout
 
+from .compiler import disable_when_compiling
 from .conversion import name_sync_layers
 
 __all__ = ["ThreadedDataParallel"]
@@ -490,7 +491,6 @@ _WRITTEN = object()
 """A replica's entry for a leaf whose gradient it already wrote into its source's buffer."""
 
 
-@torch.compiler.disable  # reads tensor versions, which Dynamo cannot trace
 def _record_in_place_writes(input_leaves: list[list[Tensor]], pieces: list[list[_Piece]], sources: list[Tensor]) -> None:
     """Where a replica wrote to its input in place, it wrote to the caller's tensor: bump that
     tensor's version, so that the caller's graph refuses to use what it saved of the old values
@@ -587,9 +587,9 @@ class ThreadedDataParallel(nn.Module):
         return self._forward_in_threads(inputs, kwargs)
 
     # Dynamo cannot trace threads, and the replicas are new modules at every step (a guard on
-    # them would recompile each step): the threaded step runs eagerly under torch.compile, and
-    # the replicas run in worker threads, which Dynamo does not compile either
-    @torch.compiler.disable
+    # them would recompile each step): the threaded step runs eagerly under torch.compile (see
+    # disable_when_compiling below; it also reads tensor versions), and the replicas run in
+    # worker threads, which Dynamo does not compile either
     def _forward_in_threads(self, inputs: tuple, kwargs: dict) -> Any:
         cuts: Cuts = {}
         split_inputs, split_kwargs = _scatter_kwargs(inputs, kwargs, self.devices, self.dim, cuts)
@@ -675,3 +675,6 @@ class ThreadedDataParallel(nn.Module):
     def _run_replica(replica: nn.Module, args: tuple, kwargs: dict, device: torch.device, state: _ThreadState) -> Any:
         with state.on(device):
             return replica(*args, **kwargs)
+
+
+disable_when_compiling(ThreadedDataParallel, "_forward_in_threads")

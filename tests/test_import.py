@@ -1,0 +1,98 @@
+"""Importing the library: what it loads on top of torch, and a clean exit where it is imported
+after ``init_process_group`` (as training scripts that import their model code in ``main()``
+do). Both in fresh processes."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from testkit.local_group import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMPILER_STACK = ("torch._dynamo", "torch._inductor", "torch.distributed.nn", "torch._functorch")
+"""What ``import torch.nn`` does not load whole, and a library of layers must not either."""
+
+LISTING = """
+import sys
+import torch, torch.nn
+before = set(sys.modules)
+from modules import nn as NN
+import modules.parallel, functions
+print("\\n".join(sorted(set(sys.modules) - before)))
+"""
+
+STEP_AFTER_INIT = """
+import datetime, sys
+import torch, torch.distributed as dist
+rank, world, port = map(int, sys.argv[1:4])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                        timeout=datetime.timedelta(seconds=20))
+from modules import nn as NN  # after init
+layer = NN.SyncBatchNorm2d(3)
+x = torch.randn(2 + rank, 3, 4, 4, requires_grad=True)
+layer(x).sum().backward()
+dist.destroy_process_group()
+"""
+
+
+def run_python(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_importing_loads_none_of_the_compiler_stack() -> None:
+    listing = run_python(LISTING)
+    assert listing.returncode == 0, listing.stderr
+    loaded = listing.stdout.split()
+    assert "modules.nn" in loaded
+    stack = [name for name in loaded if name.split(".")[:2] in [p.split(".")[:2] for p in COMPILER_STACK]]
+    assert stack == [], f"importing the library loaded {len(stack)} modules of the compiler stack: {stack[:10]}"
+
+
+LATE_COMPILER = """
+import sys
+import torch
+from modules import nn as NN
+from modules.parallel import ThreadedDataParallel
+eager_only = [(NN.SyncBatchNorm, "_forward_synced"), (ThreadedDataParallel, "_forward_in_threads")]
+marked = lambda: [getattr(getattr(owner, name), "_torchdynamo_disable", False) for owner, name in eager_only]
+print(marked())
+import torch._dynamo  # what torch.compile does on its first call
+print(marked(), any(type(f).__name__ == "_DynamoImport" for f in sys.meta_path))
+"""
+
+
+def test_the_eager_only_paths_are_disabled_for_the_compiler_once_it_is_imported() -> None:
+    # not before (nothing compiles without torch._dynamo), and as the decorator would after
+    run = run_python(LATE_COMPILER)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[:2] == ["[False, False]", "[True, True] False"], run.stdout
+
+
+def two_ranks_step_and_exit() -> list[int]:
+    port = str(free_port())
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", STEP_AFTER_INIT, str(rank), "2", port], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for rank in range(2)
+    ]
+    codes = []
+    for process in ranks:
+        try:
+            process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+        codes.append(process.returncode)
+    return codes
+
+
+def test_imported_after_init_process_group_every_rank_exits_cleanly() -> None:
+    # torch 2.13 keeps the default group alive past destroy_process_group where torch._dynamo
+    # (or torch.distributed.nn) is first imported after init, and Gloo's teardown then aborts
+    # about one exit in four (SIGABRT): 12 runs of 2 ranks, 3 runs at a time
+    with ThreadPoolExecutor(3) as pool:
+        codes = [code for run in pool.map(lambda _: two_ranks_step_and_exit(), range(12)) for code in run]
+    assert codes == [0] * 24, f"exit codes of 12 runs of 2 ranks: {codes}"
