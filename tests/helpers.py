@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import sys
 import threading
+import time
 import unittest.mock
 from typing import Callable, Sequence
 
@@ -149,3 +150,28 @@ def replayed_replicas(module: nn.Module, count: int) -> list[nn.Module]:
 
 def split_batch(x: Tensor, count: int) -> list[Tensor]:
     return list(x.chunk(count))
+
+
+def share_of_a_counting_thread(call) -> float:
+    """How much of its own pace a Python thread that only counts keeps while ``call()`` runs on
+    this thread: near 1 when ``call`` releases the GIL, near 0 when it holds it (the counter
+    then gets at most a switch interval, 5 ms, before and after it)."""
+    progress, done = [0], threading.Event()
+
+    def count() -> None:
+        while not done.is_set():
+            progress[0] += 1
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        before = progress[0]
+        time.sleep(0.05)  # releases the GIL: the counter's pace alone
+        pace = (progress[0] - before) / 0.05
+        before, start = progress[0], time.perf_counter()
+        call()
+        elapsed, during = time.perf_counter() - start, progress[0] - before
+    finally:
+        done.set()
+        counter.join()
+    return during / (pace * elapsed)

@@ -5,8 +5,6 @@ it: the compiled kernels, or the reference under SYNCBN_KERNELS=reference) and o
 is visible. Plus the GIL: the kernels run without it."""
 from __future__ import annotations
 
-import threading
-import time
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ import torch
 from functions import backend
 from functions import reference as ref
 from functions.ops import SCHEMAS
+from helpers import share_of_a_counting_thread
 
 OPS = torch.ops.syncbn
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
@@ -93,31 +92,6 @@ def test_batch_norm_train_is_the_three_operators() -> None:
     assert ours[2].item() == 1
     torch.testing.assert_close(mean, x.mean((0, 2, 3)))
     torch.testing.assert_close(invstd, torch.rsqrt(x.var((0, 2, 3), correction=0) + 1e-5))
-
-
-def share_of_a_counting_thread(call) -> float:
-    """How much of its own pace a Python thread that only counts keeps while ``call()`` runs on
-    this thread: near 1 when ``call`` releases the GIL, near 0 when it holds it (the counter
-    then gets at most a switch interval, 5 ms, before and after it)."""
-    progress, done = [0], threading.Event()
-
-    def count() -> None:
-        while not done.is_set():
-            progress[0] += 1
-
-    counter = threading.Thread(target=count)
-    counter.start()
-    try:
-        before = progress[0]
-        time.sleep(0.05)  # releases the GIL: the counter's pace alone
-        pace = (progress[0] - before) / 0.05
-        before, start = progress[0], time.perf_counter()
-        call()
-        elapsed, during = time.perf_counter() - start, progress[0] - before
-    finally:
-        done.set()
-        counter.join()
-    return during / (pace * elapsed)
 
 
 @pytest.mark.skipif(not backend.serves_single_device(torch.device("cpu")), reason="the compiled CPU kernels are not loaded")

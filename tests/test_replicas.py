@@ -3,6 +3,7 @@ calls that stock nn.DataParallel makes."""
 from __future__ import annotations
 
 import gc
+import threading
 import time
 
 import pytest
@@ -11,7 +12,7 @@ from torch import nn
 
 from functions import ReplicaSyncError
 from functions.replicas import ReplicaRound
-from helpers import replayed_replicas, run_threads, stock_replicas
+from helpers import replayed_replicas, run_threads, share_of_a_counting_thread, stock_replicas
 from modules import nn as NN
 from modules.parallel import ThreadedDataParallel
 
@@ -364,3 +365,23 @@ def test_torch_replicate_still_has_the_loop_variable_that_round_detection_reads(
     stock_replicas(nn.Sequential(Probe(), nn.Linear(2, 2)), 3)
     assert positions == [0, 1, 2]
     assert torch_replicate_position() is None  # not called from replicate()
+
+
+def test_a_replica_waiting_at_a_meeting_holds_no_gil() -> None:
+    # replica 1 waits 0.3 s for a late master: meanwhile another Python thread keeps its pace
+    # (a waiting replica that held the GIL would stall the others, which must run to arrive)
+    round = ReplicaRound("layer", 1, 10.0)
+    for _ in range(2):
+        round.add(nn.Identity())
+
+    def late_master() -> None:
+        time.sleep(0.3)
+        round.exchange(("forward", 0), 0, 0, sum)
+
+    master = threading.Thread(target=late_master)
+    master.start()
+    try:
+        share = share_of_a_counting_thread(lambda: round.exchange(("forward", 0), 1, 1, sum))
+    finally:
+        master.join()
+    assert share > 0.5, f"a counting thread kept {share:.2f} of its pace while a replica waited"

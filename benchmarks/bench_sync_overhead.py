@@ -1,0 +1,196 @@
+"""What synchronizing costs per layer, where kernels cost nothing: the host's price of a meeting.
+
+Per layer = (step with 16 stacked layers - step with 1 layer) / 15, a step being forward +
+backward (the input requires grad, as inside a network) of a tiny (8, 8, 4, 4) float32 input:
+
+- threads: ``ThreadedDataParallel(["cpu"] * R)`` over our ``SyncBatchNorm2d`` against
+  ``nn.BatchNorm2d`` (unsynced) in the same wrapper, R = 2, 4, 8; ``torch.utils.benchmark``
+  ``blocked_autorange``, the contenders taken in turn over rounds, medians;
+- processes: R Gloo ranks on loopback (one intra-op thread each) under DDP, ours against
+  ``nn.BatchNorm2d``, and the two collectives of a layer alone (an all_gather of a 14 + 2C row,
+  an all_reduce of 2C + 4 values, float64) in the same processes; every rank runs the same fixed
+  number of steps (collectives need all ranks), the slowest rank's median counts; with the checks
+  read at each layer (CPU tensors' default) and deferred (``SYNCBN_CHECKS=step``, CUDA's default);
+- the bare exchange: R threads meeting in ``ReplicaRound.exchange`` with a trivial combine.
+
+    python benchmarks/bench_sync_overhead.py [--quick] [--no-write]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from statistics import median
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils import benchmark
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_cpu import cpu_model, write_results  # noqa: E402
+from functions import checks  # noqa: E402
+from functions.replicas import ReplicaRound  # noqa: E402
+from modules import nn as NN  # noqa: E402
+from modules.parallel import ThreadedDataParallel  # noqa: E402
+from testkit.local_group import run_local_group  # noqa: E402
+
+SHAPE = (8, 8, 4, 4)
+DEEP = 16
+BEGIN, END = "<!-- bench_sync_overhead: begin -->", "<!-- bench_sync_overhead: end -->"
+
+
+def stack(layer: type, depth: int) -> nn.Module:
+    return nn.Sequential(*[layer(SHAPE[1]) for _ in range(depth)])
+
+
+def step_of(runner: nn.Module, rows: int) -> benchmark.Timer:
+    x = torch.randn(rows, *SHAPE[1:], requires_grad=True)
+    return benchmark.Timer("runner(x).sum().backward()", globals=dict(runner=runner, x=x))
+
+
+def per_layer(deep: float, shallow: float) -> float:
+    return (deep - shallow) / (DEEP - 1)
+
+
+def threads_row(replicas: int, min_run_time: float, rounds: int) -> tuple[float, float]:
+    """Per-layer seconds of ours and of torch's unsynced layer under R thread replicas."""
+    timers = {
+        (kind, depth): step_of(ThreadedDataParallel(stack(layer, depth), ["cpu"] * replicas), SHAPE[0])
+        for kind, layer in (("ours", NN.SyncBatchNorm2d), ("torch", nn.BatchNorm2d))
+        for depth in (1, DEEP)
+    }
+    samples: dict = {key: [] for key in timers}
+    for timer in timers.values():
+        timer.timeit(3)  # workers started, caches warm
+    for _ in range(rounds):
+        for key, timer in timers.items():
+            samples[key].append(timer.blocked_autorange(min_run_time=min_run_time).median)
+    t = {key: median(values) for key, values in samples.items()}
+    return per_layer(t["ours", DEEP], t["ours", 1]), per_layer(t["torch", DEEP], t["torch", 1])
+
+
+def bare_exchange(replicas: int, exchanges: int = 2000) -> float:
+    """Seconds per exchange of R threads in one round, combine summing ints."""
+    round = ReplicaRound("bench", 1, 60.0)
+    for _ in range(replicas):
+        round.add(nn.Identity())
+    barrier = threading.Barrier(replicas + 1)
+
+    def replica(index: int) -> None:
+        barrier.wait()
+        for k in range(exchanges):
+            round.exchange(("forward", k), index, index, sum)
+        barrier.wait()
+
+    threads = [threading.Thread(target=replica, args=(j,)) for j in range(replicas)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    start = time.perf_counter()
+    barrier.wait()
+    elapsed = time.perf_counter() - start
+    for thread in threads:
+        thread.join()
+    return elapsed / exchanges
+
+
+def time_fixed(fn, number: int, repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        samples.append((time.perf_counter() - start) / number)
+    return median(samples)
+
+
+def ddp_step(layer: type, depth: int, number: int, repeats: int) -> float:
+    model = DistributedDataParallel(stack(layer, depth), forward_sync_buffers=False)
+    x = torch.randn(SHAPE, requires_grad=True)
+    return time_fixed(lambda: model(x).sum().backward(), number, repeats)
+
+
+def collectives_alone(number: int, repeats: int) -> float:
+    """Seconds of one layer's two collectives: the all_gather of its statistics row and the
+    all_reduce of its backward sums."""
+    channels, world = SHAPE[1], dist.get_world_size()
+    row, sums = torch.zeros(14 + 2 * channels, dtype=torch.float64), torch.zeros(2 * channels + 4, dtype=torch.float64)
+    rows = row.new_empty(world * row.numel())
+
+    def both() -> None:
+        dist.all_gather_into_tensor(rows, row)
+        dist.all_reduce(sums)
+
+    return time_fixed(both, number, repeats)
+
+
+def ranks_row(rank: int, world: int, number: int, repeats: int) -> dict:
+    result = {}
+    for mode in ("layer", "step"):
+        os.environ[checks.CHECKS_ENV] = mode
+        ours = [ddp_step(NN.SyncBatchNorm2d, depth, number, repeats) for depth in (1, DEEP)]
+        checks.check_pending()
+        result[mode] = per_layer(ours[1], ours[0])
+    del os.environ[checks.CHECKS_ENV]
+    theirs = [ddp_step(nn.BatchNorm2d, depth, number, repeats) for depth in (1, DEEP)]
+    result["torch"] = per_layer(theirs[1], theirs[0])
+    result["collectives"] = collectives_alone(number * DEEP // 4, repeats)
+    return result
+
+
+def us(seconds: float) -> str:
+    return f"{seconds * 1e6:.0f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="2 and 4 replicas, 2 ranks, shorter measurements")
+    parser.add_argument("--no-write", action="store_true", help="print, do not touch RESULTS.md")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    replica_counts = (2, 4) if args.quick else (2, 4, 8)
+    worlds = (2,) if args.quick else (2, 4)
+    min_run_time, rounds = (0.3, 3) if args.quick else (0.5, 5)
+    lines = [
+        BEGIN,
+        "## What synchronizing costs per layer (bench_sync_overhead.py)",
+        "",
+        f"Machine: {os.cpu_count()}-core {cpu_model()} ({torch.backends.cpu.get_cpu_capability()}) VM, no GPU; torch "
+        f"{torch.__version__}; {time.strftime('%Y-%m-%d')}. Per layer = (16 layers - 1 layer) / 15, forward + "
+        f"backward of a {SHAPE} float32 input (requires grad), microseconds; one intra-op thread.",
+        "",
+        "| path | our layer | torch's unsynced layer, same wrapper | synchronizing adds |",
+        "|---|---|---|---|",
+    ]
+    for replicas in replica_counts:
+        ours, theirs = threads_row(replicas, min_run_time, rounds)
+        lines.append(f"| ThreadedDataParallel, {replicas} CPU replicas | {us(ours)} | {us(theirs)} | {us(ours - theirs)} |")
+        print(lines[-1], flush=True)
+    for world in worlds:
+        results = run_local_group(ranks_row, world, 20 if args.quick else 40, 5, timeout_s=300)
+        slowest = {key: max(r[key] for r in results) for key in results[0]}
+        for mode, what in (("layer", "checks at the layer"), ("step", "checks deferred")):
+            own = slowest[mode] - slowest["torch"] - slowest["collectives"]
+            lines.append(
+                f"| DDP, {world} Gloo ranks, {what} | {us(slowest[mode])} | {us(slowest['torch'])} | "
+                f"{us(slowest[mode] - slowest['torch'])}, of which the two collectives alone {us(slowest['collectives'])}: "
+                f"our own part {us(own)} |"
+            )
+            print(lines[-1], flush=True)
+    lines += ["", "The bare exchange (`ReplicaRound.exchange`, R threads, a combine that sums ints), per exchange:", ""]
+    lines.append(" ".join(f"{r} threads: {us(bare_exchange(r))} us;" for r in replica_counts).rstrip(";"))
+    lines.append(END)
+    section = "\n".join(lines)
+    print(section)
+    if not args.no_write:
+        write_results(section, BEGIN, END)
+
+
+if __name__ == "__main__":
+    main()
