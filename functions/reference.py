@@ -303,7 +303,12 @@ def normalize(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``elemt_forward`` (through its operator) with the batch's float64 ``mean`` and biased
     ``var``: returns ``(y, mean, invstd)``, mean and invstd = 1 / sqrt(var + eps) in the
-    accumulation dtype, as the backward takes them."""
-    acc = accumulation_dtype(x.dtype)
-    mean, invstd = in_dtype(mean, acc), in_dtype(torch.rsqrt(var + eps), acc)
+    accumulation dtype, as the backward takes them (:func:`normalization`)."""
+    mean, invstd = normalization(mean, var, eps, accumulation_dtype(x.dtype))
     return torch.ops.syncbn.elemt_forward(x, mean, invstd, weight, bias, residual, negative_slope), mean, invstd
+
+
+def normalization(mean: Tensor, var: Tensor, eps: float, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The float64 ``mean`` and biased ``var`` as the elementwise kernels take them: mean and
+    invstd = 1 / sqrt(var + eps), in the accumulation dtype ``acc``."""
+    return in_dtype(mean, acc), in_dtype(torch.rsqrt(var + eps), acc)

@@ -70,12 +70,13 @@ class SyncBatchNormFunction(Function):
             return torch.ops.syncbn.batch_norm_train(
                 x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, residual, negative_slope
             )
-        count, mean, var = sync.global_stats(x, *torch.ops.syncbn.local_stats(x))
+        count, mean, var, mean_acc, invstd = sync.global_stats(x, *torch.ops.syncbn.local_stats(x), eps)
         if sync.is_master:
             # a count still on the device (deferred checks): the update in device ops, no host read
             update = reference.update_running_stats if isinstance(count, Tensor) else torch.ops.syncbn.update_running_stats
             update(running_mean, running_var, num_batches_tracked, momentum, mean, var, count)
-        return reference.normalize(x, mean, var, eps, weight, bias, residual, negative_slope)
+        y = torch.ops.syncbn.elemt_forward(x, mean_acc, invstd, weight, bias, residual, negative_slope)
+        return y, mean_acc, invstd
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor, Tensor]) -> None:

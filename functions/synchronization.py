@@ -10,7 +10,8 @@ it for two exchanges and nothing else:
   after each replica's work (:mod:`functions.devices`: an event per part, no host sync), checks
   that they agree, and, where a process group is given, merges them into the process's part and
   joins ONE all_gather (:mod:`functions.distributed`); then it merges every part in rank order
-  (:func:`functions.stats.merge`) and hands the result back to every replica;
+  (:func:`functions.stats.merge`), turns the result into what the elementwise kernels take
+  (mean and invstd in the accumulation dtype, once for every replica) and hands it back;
 - backward, :meth:`Synchronizer.global_grad_sums`: the replicas' (sum_dy, sum_dy_xmu) summed on
   the master, then over the ranks in ONE all_reduce, and handed back.
 
@@ -27,7 +28,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from . import checks, devices, stats
+from . import checks, devices, reference, stats
 from .distributed import ProcessGroupCall, ProcessGroupSync, all_gather_stats, all_reduce_sums, report_failure
 from .reference import values_per_channel
 from .replicas import ReplicaCall, ReplicaHandle
@@ -81,28 +82,38 @@ class Synchronizer:
         """The one replica of the process that updates the running statistics."""
         return self.replica_call is None or self.replica_call.is_master
 
-    def global_stats(self, x: Tensor, mean: Tensor, m2: Tensor) -> tuple[int | Tensor, Tensor, Tensor]:
-        """Global count, mean and biased variance (float64), on x's device, from this replica's
-        local ``mean`` and ``m2`` of ``x`` (``(C,)`` each). The count is an int, or a 0-dim
-        float64 tensor on x's device where it comes from a collective whose checks are deferred
-        (:func:`functions.distributed.all_gather_stats`)."""
+    def global_stats(
+        self, x: Tensor, mean: Tensor, m2: Tensor, eps: float
+    ) -> tuple[int | Tensor, Tensor | None, Tensor | None, Tensor, Tensor]:
+        """From this replica's local ``mean`` and ``m2`` of ``x`` (``(C,)`` each): the global
+        count, mean and biased variance (float64; on the master replica only, which updates the
+        running statistics, else None), and the mean and invstd = 1 / sqrt(var + eps) in the
+        accumulation dtype on x's device, which the master computes once for every replica. The
+        count is an int, or a 0-dim float64 tensor on x's device where it comes from a collective
+        whose checks are deferred (:func:`functions.distributed.all_gather_stats`)."""
+        acc = reference.accumulation_dtype(x.dtype)
         # only a part that another replica's thread fetches needs a fence
         ready = None if self.replica_call is None else devices.mark_ready(mean)
         local = LocalStats(values_per_channel(x), mean, m2, x.dtype, x.shape, ready)
         if self.replica_call is None:
             count, mean, var = self._merge_parts([local])
-        else:
+            self.count = count
+            return (count, mean, var, *reference.normalization(mean, var, eps, acc))
+        merged: list[tuple[Tensor, Tensor]] = []  # the master's own (mean, var): its combine runs here
 
-            def merge(parts: list[LocalStats]) -> tuple:
-                count, mean, var = self._merge_parts(parts)
-                return count, mean, var, devices.mark_ready(var)
+        def merge(parts: list[LocalStats]) -> tuple:
+            count, mean, var = self._merge_parts(parts)
+            merged.append((mean, var))
+            mean_acc, invstd = reference.normalization(mean, var, eps, acc)
+            return count, mean_acc, invstd, devices.mark_ready(invstd)
 
-            count, mean, var, ready = self._exchange("forward", local, merge)
-            mean, var = devices.fetch(mean, x.device, ready), devices.fetch(var, x.device, ready)
-            if isinstance(count, Tensor):
-                count = devices.fetch(count, x.device, ready)
+        count, mean_acc, invstd, ready = self._exchange("forward", local, merge)
+        mean_acc, invstd = devices.fetch(mean_acc, x.device, ready), devices.fetch(invstd, x.device, ready)
+        if isinstance(count, Tensor):
+            count = devices.fetch(count, x.device, ready)
         self.count = count
-        return count, mean, var
+        mean, var = merged[0] if merged else (None, None)
+        return count, mean, var, mean_acc, invstd
 
     def global_grad_sums(self, sum_dy: Tensor, sum_dy_xmu: Tensor) -> tuple[Tensor, Tensor]:
         """(sum_dy, sum_dy_xmu) summed over every replica and rank in one exchange, on this

@@ -53,16 +53,24 @@ def test_replicas_get_the_statistics_and_sums_of_the_whole_batch() -> None:
     syncs = [Synchronizer.for_call(h, None, ProcessGroupSync(), "layer", 3, CPU) for h in handles(2)]
 
     def replica(j: int):
-        count, mean, var = syncs[j].global_stats(chunks[j], *ref.local_stats(chunks[j]))
+        stats = syncs[j].global_stats(chunks[j], *ref.local_stats(chunks[j]), 1e-5)
         sums = syncs[j].global_grad_sums(chunks[j].sum((0, 2)), chunks[j].square().sum((0, 2)))
-        return count, mean, var, sums
+        return stats, sums
 
-    for count, mean, var, (sum_dy, sum_dy_xmu) in run_threads([lambda j=j: replica(j) for j in range(2)]):
+    results = run_threads([lambda j=j: replica(j) for j in range(2)])
+    for j, ((count, mean, var, mean_acc, invstd), (sum_dy, sum_dy_xmu)) in enumerate(results):
         assert count == 28
-        torch.testing.assert_close(mean, x.mean((0, 2)))
-        torch.testing.assert_close(var, x.var((0, 2), correction=0))
+        if j == 0:  # the master, which updates the running statistics, gets them in float64
+            torch.testing.assert_close(mean, x.mean((0, 2)))
+            torch.testing.assert_close(var, x.var((0, 2), correction=0))
+        else:
+            assert mean is None and var is None
+        # what every replica normalizes with, computed once by the master
+        torch.testing.assert_close(mean_acc, x.mean((0, 2)))
+        torch.testing.assert_close(invstd, torch.rsqrt(x.var((0, 2), correction=0) + 1e-5))
         torch.testing.assert_close(sum_dy, x.sum((0, 2)))
         torch.testing.assert_close(sum_dy_xmu, x.square().sum((0, 2)))
+    assert results[0][0][3] is results[1][0][3]  # one device: the same tensors, not copies
     assert [s.is_master for s in syncs] == [True, False] and all(s.count == 28 for s in syncs)
 
 
@@ -73,7 +81,7 @@ def test_a_failure_before_the_collective_releases_the_round_and_tells_the_ranks(
     sync.fail(ValueError("bad input"))
     x = torch.randn(4, 3, dtype=torch.float64)
     with pytest.raises(ReplicaSyncError, match="replica 0 failed: ValueError: bad input"):
-        waiting.global_stats(x, *ref.local_stats(x))
+        waiting.global_stats(x, *ref.local_stats(x), 1e-5)
     assert reported == [sync.process_call]
     sync.fail(RuntimeError("again"))  # one failed-flag row per call at most
     assert len(reported) == 1
@@ -82,7 +90,7 @@ def test_a_failure_before_the_collective_releases_the_round_and_tells_the_ranks(
 def test_no_report_once_the_collective_was_joined_nor_for_an_interrupt(reported: list) -> None:
     x = torch.randn(4, 3, dtype=torch.float64)
     joined = Synchronizer.for_call(None, object(), ProcessGroupSync(), "layer", 3, CPU)
-    joined.global_stats(x, *ref.local_stats(x))
+    joined.global_stats(x, *ref.local_stats(x), 1e-5)
     joined.fail(RuntimeError("in backward"))  # the other ranks are in the backward's all_reduce
     interrupted = Synchronizer.for_call(None, object(), ProcessGroupSync(), "layer", 3, CPU)
     interrupted.fail(KeyboardInterrupt())
