@@ -152,7 +152,7 @@ def _explain_forward(call: ProcessGroupCall, values: list[float]) -> BaseExcepti
         ranks = [rank for rank, head in enumerate(heads) if head[2]]
         return RuntimeError(
             f"{call.layer}: rank(s) {ranks} of the process group failed before this exchange "
-            "(their own error says why: bad input)"
+            "(their own error says why)"
         )
     if calls_differ:
         ids = [(head[0], head[1]) for head in heads]
@@ -171,17 +171,20 @@ def _explain_forward(call: ProcessGroupCall, values: list[float]) -> BaseExcepti
     )
 
 
-def all_gather_stats(local: LocalStats, call: ProcessGroupCall) -> tuple[int | Tensor, Tensor, Tensor]:
-    """The global count, mean and biased variance over every rank, from one all_gather of each
-    rank's (count, mean, M2), merged in rank order on every rank (identical results).
+def all_gather_stats(local: LocalStats, call: ProcessGroupCall) -> tuple[int | Tensor, int | Tensor, Tensor, Tensor]:
+    """The global count, the count to update the running statistics with, and the mean and
+    biased variance over every rank, from one all_gather of each rank's (count, mean, M2), merged
+    in rank order on every rank (identical results).
 
     ``local.mean`` and ``local.m2`` are ``(C,)`` float64 on the collective's device (the current
-    CUDA device for NCCL, the CPU for Gloo); so are the mean and variance returned. The count is
-    an int where the checks are read at once (:mod:`functions.checks`), else a 0-dim float64
-    tensor on that device, never read on the host, and NaN where the checks failed (so that
-    nothing is updated from a failed exchange: :func:`functions.reference.update_running_stats`).
-    The checks raise alike on every rank when the ranks are at different calls, disagree on the
-    dtype, one reported a failure, or they hold one value per channel between them.
+    CUDA device for NCCL, the CPU for Gloo); so are the mean and variance returned. The counts
+    are ints where the checks are read at once (:mod:`functions.checks`), else 0-dim float64
+    tensors on that device, never read on the host; then the second is NaN where the checks
+    failed, so that a failed exchange updates nothing
+    (:func:`functions.reference.update_running_stats`), while the first stays the total, for the
+    backward. The checks raise alike on every rank when the ranks are at different calls,
+    disagree on the dtype, one reported a failure, or they hold one value per channel between
+    them.
     """
     rows = _all_gather_rows(_stats_row(local, call, failed=False), call.group)
     verdict = _forward_verdict(rows[:, :HEADER_SIZE])
@@ -191,9 +194,10 @@ def all_gather_stats(local: LocalStats, call: ProcessGroupCall) -> tuple[int | T
     means, m2s = rows[:, HEADER_SIZE : HEADER_SIZE + channels], rows[:, HEADER_SIZE + channels :]
     total, mean, var = stats.merge_on_device(counts, means, m2s)
     if read is not None:
-        return int(read[_FORWARD_FLAGS]), mean, var
+        count = int(read[_FORWARD_FLAGS])
+        return count, count, mean, var
     passed = (verdict[:_FORWARD_FLAGS] == 0).all()
-    return torch.where(passed, total, torch.nan), mean, var
+    return total, torch.where(passed, total, torch.nan), mean, var
 
 
 def report_failure(call: ProcessGroupCall, channels: int, device: torch.device) -> None:

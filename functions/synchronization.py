@@ -85,25 +85,26 @@ class Synchronizer:
     def global_stats(
         self, x: Tensor, mean: Tensor, m2: Tensor, eps: float
     ) -> tuple[int | Tensor, Tensor | None, Tensor | None, Tensor, Tensor]:
-        """From this replica's local ``mean`` and ``m2`` of ``x`` (``(C,)`` each): the global
-        count, mean and biased variance (float64; on the master replica only, which updates the
-        running statistics, else None), and the mean and invstd = 1 / sqrt(var + eps) in the
-        accumulation dtype on x's device, which the master computes once for every replica. The
-        count is an int, or a 0-dim float64 tensor on x's device where it comes from a collective
-        whose checks are deferred (:func:`functions.distributed.all_gather_stats`)."""
+        """From this replica's local ``mean`` and ``m2`` of ``x`` (``(C,)`` each): the count,
+        mean and biased variance (float64) to update the running statistics with, on the master
+        replica only (else the count and None, None), and the mean and invstd = 1 / sqrt(var +
+        eps) in the accumulation dtype on x's device, which the master computes once for every
+        replica. The counts are ints, or 0-dim float64 tensors on the device where they come
+        from a collective whose checks are deferred (:func:`functions.distributed.all_gather_stats`:
+        then the update's is NaN where a check failed). :attr:`count` is the total, for the
+        backward."""
         acc = reference.accumulation_dtype(x.dtype)
         # only a part that another replica's thread fetches needs a fence
         ready = None if self.replica_call is None else devices.mark_ready(mean)
         local = LocalStats(values_per_channel(x), mean, m2, x.dtype, x.shape, ready)
         if self.replica_call is None:
-            count, mean, var = self._merge_parts([local])
-            self.count = count
-            return (count, mean, var, *reference.normalization(mean, var, eps, acc))
-        merged: list[tuple[Tensor, Tensor]] = []  # the master's own (mean, var): its combine runs here
+            self.count, counted, mean, var = self._merge_parts([local])
+            return (counted, mean, var, *reference.normalization(mean, var, eps, acc))
+        merged: list[tuple] = []  # the master's own (counted, mean, var): its combine runs here
 
         def merge(parts: list[LocalStats]) -> tuple:
-            count, mean, var = self._merge_parts(parts)
-            merged.append((mean, var))
+            count, counted, mean, var = self._merge_parts(parts)
+            merged.append((counted, mean, var))
             mean_acc, invstd = reference.normalization(mean, var, eps, acc)
             return count, mean_acc, invstd, devices.mark_ready(invstd)
 
@@ -112,8 +113,8 @@ class Synchronizer:
         if isinstance(count, Tensor):
             count = devices.fetch(count, x.device, ready)
         self.count = count
-        mean, var = merged[0] if merged else (None, None)
-        return count, mean, var, mean_acc, invstd
+        counted, mean, var = merged[0] if merged else (count, None, None)
+        return counted, mean, var, mean_acc, invstd
 
     def global_grad_sums(self, sum_dy: Tensor, sum_dy_xmu: Tensor) -> tuple[Tensor, Tensor]:
         """(sum_dy, sum_dy_xmu) summed over every replica and rank in one exchange, on this
@@ -139,11 +140,12 @@ class Synchronizer:
         assert self.replica_call is not None
         return self.replica_call.exchange(direction, payload, combine)
 
-    def _merge_parts(self, parts: list[LocalStats]) -> tuple[int | Tensor, Tensor, Tensor]:
-        """On the master: the replicas' parts (and, with a process group, every rank's) merged.
-        Raises when they disagree on channels or dtype, or hold one value per channel between
-        them, before anything is updated; the ranks raise alike (where their checks are read
-        at once: :mod:`functions.checks`)."""
+    def _merge_parts(self, parts: list[LocalStats]) -> tuple[int | Tensor, int | Tensor, Tensor, Tensor]:
+        """On the master: the replicas' parts (and, with a process group, every rank's) merged,
+        as (count, count to update the running statistics with, mean, var). Raises when they
+        disagree on channels or dtype, or hold one value per channel between them, before
+        anything is updated; the ranks raise alike (where their checks are read at once:
+        :mod:`functions.checks`)."""
         stats.check_parts_agree(parts, self.layer)
         parts = _on_one_device(parts)
         if self.process_call is not None:
@@ -153,7 +155,8 @@ class Synchronizer:
             self._joined_collective = True
             return all_gather_stats(stats.merge_into_one(parts), self.process_call)
         stats.check_values_per_channel(sum(part.count for part in parts), self.layer, [p.input_shape for p in parts])
-        return stats.merge(parts)
+        count, mean, var = stats.merge(parts)
+        return count, count, mean, var
 
     def _sum_parts(self, parts: list[tuple[Tensor, Tensor, Any]]) -> tuple[Tensor, Tensor, Any]:
         """On the master: the replicas' (sum_dy, sum_dy_xmu), each pair as one ``(2C,)`` row,

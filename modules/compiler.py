@@ -9,13 +9,17 @@ process at exit under Gloo. Dynamo only matters once something compiles, and wha
 imports ``torch._dynamo`` first: :func:`disable_when_compiling` applies the decorator then (at
 once where it is already imported), so the eager call costs nothing and the compiler sees
 exactly what the decorator gives it.
+
+The hook is a finder first in ``sys.meta_path``, which asks the others for ``torch._dynamo`` and
+wraps the loader they give. An import hook put ahead of it later that answers for
+``torch._dynamo`` itself would bypass it: there, import ``torch._dynamo`` before this library.
 """
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import sys
 import threading
+import warnings
 from types import ModuleType
 from typing import Any
 
@@ -31,7 +35,7 @@ def disable_when_compiling(owner: Any, name: str) -> None:
         _waiting.append((owner, name))
         loaded = _DYNAMO in sys.modules and not _DynamoImport.running
         if not loaded and not any(isinstance(f, _DynamoImport) for f in sys.meta_path):
-            sys.meta_path.insert(0, _DynamoImport())
+            sys.meta_path = [_DynamoImport(), *sys.meta_path]  # a new list: importers may be iterating the old
     if loaded:
         _apply()
 
@@ -47,28 +51,54 @@ def _apply() -> None:
 
 
 class _DynamoImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: wraps the loader of ``torch._dynamo`` so that, once its module has
-    run, the waiting decorations are applied (and this finder leaves ``sys.meta_path``)."""
+    """Finds nothing itself: asks the finders after it for ``torch._dynamo`` and wraps the
+    loader they give, so that once its module has run, the waiting decorations are applied (and
+    this finder leaves ``sys.meta_path``)."""
 
     running = False
 
     def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:
         if fullname != _DYNAMO:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
             return None
-        run_module = spec.loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            _DynamoImport.running = True
-            try:
-                run_module(module)
-            finally:
-                _DynamoImport.running = False
-            if self in sys.meta_path:
-                sys.meta_path.remove(self)
-            _apply()
-
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        if spec.loader is not None:
+            spec.loader = _ThenDecorate(spec.loader, self)
         return spec
+
+
+class _ThenDecorate:
+    """A loader that runs ``loader``'s module, then applies the waiting decorations (a wrapper,
+    not a patched loader: loaders may be shared between modules)."""
+
+    def __init__(self, loader: Any, finder: _DynamoImport) -> None:
+        self._loader, self._finder = loader, finder
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+    def create_module(self, spec: Any) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        _DynamoImport.running = True
+        try:
+            self._loader.exec_module(module)
+        finally:
+            _DynamoImport.running = False
+        sys.meta_path = [f for f in sys.meta_path if f is not self._finder]
+        try:
+            _apply()
+        except Exception as error:  # torch._dynamo itself imported fine: do not fail its import
+            warnings.warn(
+                f"syncbn: could not mark the eager-only paths for torch.compile ({error!r}); compiling "
+                "a synchronized model may fail to trace them",
+                RuntimeWarning,
+                stacklevel=2,
+            )

@@ -10,10 +10,11 @@ original graph. Devices may repeat: ``['cpu'] * 4``, ``['cuda:0'] * 2``.
 """
 from __future__ import annotations
 
-import faulthandler
 import queue
+import sys
 import threading
 import time
+import traceback
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence, TypeVar
@@ -175,15 +176,16 @@ class _Worker:
             cls._idle.extend(workers)
 
 
-STEP_TIMEOUTS = 10
-"""A replica's job (its forward or its backward) may take this many timeouts (10 minutes by
-default) before the wrapper gives up on it: enough for any step, short of a hang."""
+TAIL_TIMEOUTS = 10
+"""Once a replica of a step has ended well, the others get this many timeouts more (10 minutes by
+default): replicas may end apart (uneven chunks, work after the last synchronized layer), but not
+by that much, short of a hang."""
 
 STRAGGLER_TIMEOUTS = 3
-"""Once one replica of a step with synchronized layers has ended, the others, which run in
-lockstep with it through those layers, get this many of the longest timeout among the wrapper's
-and the layers' own: a replica exchange waits up to twice its timeout (once more when the master
-is combining), so that the layer's error, which says where, comes first."""
+"""Once a replica of a step has failed, the others, released from the rounds at once, get this
+many of the longest timeout among the wrapper's and the synchronized layers' own: a replica
+exchange waits up to twice its timeout (once more when the master is combining), so that the
+layer's error, which says where, comes first."""
 
 
 def _run_in_threads(jobs: Sequence[Callable[[], T]], rounds: Sequence[ReplicaRound], timeout: float) -> list[T]:
@@ -191,17 +193,20 @@ def _run_in_threads(jobs: Sequence[Callable[[], T]], rounds: Sequence[ReplicaRou
     the rounds of the synchronized layers are broken at once so that no replica waits for it;
     after all jobs ended, the first error that is not such a consequence is re-raised.
 
-    Every wait is bounded: the jobs get ``STEP_TIMEOUTS * timeout`` seconds; with synchronized
-    layers (``rounds``), once one job has ended the others get ``STRAGGLER_TIMEOUTS`` times the
-    longest timeout more. Past that, the rounds are broken, every thread's stack is written to
-    stderr and a :class:`ReplicaSyncError` names the stragglers, whose workers are not reused
-    (they may be stuck)."""
+    The wait is bounded once a job has ended: ``TAIL_TIMEOUTS * timeout`` after the first ended
+    well, ``STRAGGLER_TIMEOUTS`` times the longest timeout after the first failed. Past that, the
+    rounds are broken and a :class:`ReplicaSyncError` names the stragglers, with their stacks;
+    their workers are not reused (they may be stuck, and may still write the module's buffers
+    when they wake: replica 0 holds them). Replicas that all hang outside the synchronized layers,
+    where no exchange notices, are waited for."""
     results: list[Any] = [None] * len(jobs)
     errors: list[BaseException | None] = [None] * len(jobs)
     ended = [False] * len(jobs)
+    threads: list[int | None] = [None] * len(jobs)
     ending = threading.Condition()
 
     def work(index: int) -> None:
+        threads[index] = threading.get_ident()
         try:
             results[index] = jobs[index]()
         except BaseException as error:
@@ -215,44 +220,54 @@ def _run_in_threads(jobs: Sequence[Callable[[], T]], rounds: Sequence[ReplicaRou
     workers = _Worker.take(len(jobs))
     for index, worker in enumerate(workers):
         worker.submit(lambda index=index: work(index))
-    straggling = STRAGGLER_TIMEOUTS * max([timeout, *(round.timeout for round in rounds)]) if rounds else None
-    stragglers = _wait_for_jobs(ended, ending, STEP_TIMEOUTS * timeout, straggling)
+    after_failure = STRAGGLER_TIMEOUTS * max([timeout, *(round.timeout for round in rounds)])
+    stragglers = _wait_for_jobs(ended, errors, ending, TAIL_TIMEOUTS * timeout, after_failure)
     _Worker.give_back([w for w, done in zip(workers, ended) if done])
     if stragglers:
-        errors.append(_stragglers_error(stragglers, ended, rounds))
+        errors.append(_stragglers_error(stragglers, ended, [threads[i] for i in stragglers], rounds))
     failed = [e for e in errors if e is not None]
     if failed:
         raise next((e for e in failed if not isinstance(e, ReplicaSyncError)), failed[0])
     return results
 
 
-def _wait_for_jobs(ended: list[bool], ending: threading.Condition, step: float, straggling: float | None) -> list[int]:
-    """Wait until every job has ended, at most ``step`` seconds, and at most ``straggling``
-    seconds after the first one ended (None: no such limit); the jobs still running then."""
-    deadline = time.monotonic() + step
+def _wait_for_jobs(
+    ended: list[bool], errors: list[BaseException | None], ending: threading.Condition, tail: float, after_failure: float
+) -> list[int]:
+    """Wait until every job has ended, at most ``tail`` seconds after the first one ended and
+    ``after_failure`` seconds after the first one failed; the jobs still running then."""
+    deadline = None
     with ending:
         while not all(ended):
-            if straggling is not None and any(ended):
-                deadline, straggling = min(deadline, time.monotonic() + straggling), None
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return [i for i, done in enumerate(ended) if not done]
-            ending.wait(remaining)
+            now = time.monotonic()
+            if any(ended):
+                limits = [now + tail] + ([now + after_failure] if any(e is not None for e in errors) else [])
+                deadline = min([*limits, *([deadline] if deadline is not None else [])])
+                if deadline <= now:
+                    return [i for i, done in enumerate(ended) if not done]
+            ending.wait(None if deadline is None else deadline - now)
     return []
 
 
-def _stragglers_error(stragglers: list[int], ended: list[bool], rounds: Sequence[ReplicaRound]) -> ReplicaSyncError:
-    """Break the rounds (a straggler waiting in one is released) and say who hangs, with every
-    thread's stack on stderr to show where."""
+def _stragglers_error(
+    stragglers: list[int], ended: list[bool], threads: list[int | None], rounds: Sequence[ReplicaRound]
+) -> ReplicaSyncError:
+    """Say who hangs, and where (their stacks, taken before the rounds are broken); then break
+    the rounds, so that a straggler waiting in one is released."""
+    frames = sys._current_frames()
+    stacks = "".join(
+        f"\n--- replica {j} (thread {ident}):\n" + "".join(traceback.format_stack(frames[ident], limit=12))
+        for j, ident in zip(stragglers, threads)
+        if ident in frames
+    )
     finished = [i for i, done in enumerate(ended) if done]
     error = ReplicaSyncError(
         f"ThreadedDataParallel: replica(s) {stragglers} did not finish in time"
         + (f" after replicas {finished} had ended" if finished else "")
-        + "; their rounds are broken and every thread's stack was written to stderr. The wait is "
-        "set by timeout= or $SYNCBN_TIMEOUT."
+        + "; their rounds are broken. The wait is set by timeout= or $SYNCBN_TIMEOUT. Where they were:"
+        + stacks
     )
     abort_rounds(rounds, error)
-    faulthandler.dump_traceback(all_threads=True)
     return error
 
 
@@ -542,11 +557,11 @@ class ThreadedDataParallel(nn.Module):
     replica 0 (on ``devices[0]``) are the module's own. Each replica's backward runs on its own
     thread (never on the autograd engine's device threads), so synchronized batch norm replicas
     meet in backward on the CPU too, and on one GPU repeated. When a replica raises, the others
-    are released at once and the original error is re-raised. Every wait is bounded by
-    ``timeout`` (default ``$SYNCBN_TIMEOUT``, else 60 s): a replica's forward or backward may take
-    ten times it; with synchronized layers, once one replica has ended the others get three
-    times the longest of the wrapper's and the layers' timeouts (a layer's own wait, which names
-    the layer, gives up first); then a :class:`~functions.ReplicaSyncError` names them.
+    are released at once and the original error is re-raised. Once a replica of a step has
+    ended well, the others get ten times ``timeout`` (default ``$SYNCBN_TIMEOUT``, else 60 s);
+    once one has failed, three times the longest of the wrapper's and the layers' timeouts (a
+    layer's own wait, which names the layer, gives up first); then a
+    :class:`~functions.ReplicaSyncError` names them, with their stacks.
 
     Chunks that stay on their device are views of the caller's tensors, not copies (as
     nn.DataParallel's chunk on its own device): a replica's in-place op on its input writes to
@@ -678,3 +693,4 @@ class ThreadedDataParallel(nn.Module):
 
 
 disable_when_compiling(ThreadedDataParallel, "_forward_in_threads")
+disable_when_compiling(sys.modules[__name__], "_record_in_place_writes")  # reads versions; its caller is disabled too

@@ -2,15 +2,17 @@
 while CPU tensors stand in for CUDA ones.
 
 On CUDA, a host read of a device value (``item``, ``tolist``, ``bool(t)``, ``int(t)``, ``numpy``,
-a copy to the CPU, ``torch.equal``, ``nonzero`` and boolean-mask indexing, whose output size the
-host must learn) waits for the device's stream to drain, and so does ``torch.tensor(data,
+``cpu()``, ``torch.equal``, ``nonzero`` and boolean-mask indexing ``t[mask]``, whose output size
+the host must learn) waits for the device's stream to drain, and so does ``torch.tensor(data,
 device=...)`` (a copy from pageable host memory). The same Python calls made on CPU tensors cost
 nothing, but they are the same calls: while :class:`HostReads` is active, each one made from
 Python in any thread (replica threads, autograd's backward, the Python kernels that the
 dispatcher calls) is recorded with where it came from. The methods are patched on the classes
 themselves, not through a torch function mode, which autograd does not carry into a backward.
 The library's sanctioned readers of host memory, and its pinned copies, are let through by
-:func:`allowed`.
+:func:`allowed`. Not seen where CPU tensors stand in: ``.to("cpu")`` and ``copy_`` from a device
+(a replica's device is the CPU too), mask assignment, ``masked_select`` as a method, the
+one-argument ``torch.where``; the library uses none of them.
 """
 from __future__ import annotations
 

@@ -103,22 +103,24 @@ def test_replica_backward_stays_on_its_thread_for_every_device() -> None:
     assert torch._C._is_multithreading_enabled()  # the caller's own setting is untouched
 
 
-def raises_soon(run, release: threading.Event, pattern: str) -> None:
-    """``run()`` raises a ReplicaSyncError matching ``pattern`` within 5 s; then the stuck
-    replica is released."""
+def raises_soon(run, release: threading.Event, pattern: str) -> str:
+    """``run()`` raises a ReplicaSyncError matching ``pattern`` within 5 s (its message is
+    returned); then the stuck replica is released."""
     start = time.monotonic()
     try:
-        with pytest.raises(ReplicaSyncError, match=pattern):
+        with pytest.raises(ReplicaSyncError, match=pattern) as caught:
             run()
         assert time.monotonic() - start < 5
     finally:
         release.set()
+    return str(caught.value)
 
 
-def test_a_replica_stuck_outside_the_exchanges_is_named_after_the_timeout(capfd) -> None:
-    # without a synchronized layer the wrapper's bound (10 timeouts) names the stuck replica; with
-    # one after its hang point, the other replica waits in the layer's round, whose own timeout
-    # names the layer first (and, the longer, sets the wrapper's straggler wait: 3 x 0.2 s)
+def test_a_replica_stuck_outside_the_exchanges_is_named_after_the_timeout() -> None:
+    # without a synchronized layer the wrapper's bound (10 timeouts after the other replica
+    # ended) names the stuck replica, with its stack; with one after its hang point, the other
+    # replica waits in the layer's round, whose own timeout names the layer first (and, the
+    # longer, sets the wrapper's wait after that failure: 3 x 0.2 s)
     release = threading.Event()
 
     class StuckOnOneRow(nn.Module):
@@ -128,13 +130,26 @@ def test_a_replica_stuck_outside_the_exchanges_is_named_after_the_timeout(capfd)
             return x * 2
 
     runner = ThreadedDataParallel(StuckOnOneRow(), ["cpu"] * 2, timeout=0.1)
-    raises_soon(lambda: runner(torch.randn(3, 2)), release, r"replica\(s\) \[1\] did not finish in time after replicas \[0\]")
-    assert "in forward" in capfd.readouterr().err  # every thread's stack, the stuck one's included
+    message = raises_soon(lambda: runner(torch.randn(3, 2)), release, r"replica\(s\) \[1\] did not finish in time after replicas \[0\]")
+    assert "--- replica 1 (thread" in message and "release.wait(30)" in message  # where it hangs
     assert runner(torch.randn(4, 2)).shape == (4, 2)  # the next step runs on fresh workers
 
     release.clear()
     synced = ThreadedDataParallel(nn.Sequential(StuckOnOneRow(), NN.SyncBatchNorm1d(2, timeout=0.2)), ["cpu"] * 2, timeout=0.1)
     raises_soon(lambda: synced(torch.randn(3, 2)), release, r"'1', forward call 0 .* \[1\] missing")
+
+
+def test_replicas_that_end_apart_after_the_last_exchange_are_waited_for() -> None:
+    # uneven work after the synchronized layers (chunks of 3 and 1 rows, a head per replica) is
+    # not a hang: the wrapper waits for the slow replica well past the layers' timeouts
+    class SlowTailOnThreeRows(nn.Module):
+        def forward(self, x):
+            if x.size(0) == 3:
+                time.sleep(0.8)
+            return x * 2
+
+    model = nn.Sequential(NN.SyncBatchNorm1d(2, timeout=0.1), SlowTailOnThreeRows())
+    assert ThreadedDataParallel(model, ["cpu"] * 2, timeout=0.1)(torch.randn(5, 2)).shape == (5, 2)  # 3 + 2 rows
 
 
 def test_grad_mode_follows_the_caller() -> None:

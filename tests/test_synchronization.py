@@ -32,7 +32,7 @@ def reported(monkeypatch: pytest.MonkeyPatch) -> list:
     """The failed-flag rows this process would send; the all_gather answers as a world of one."""
     sent: list = []
     monkeypatch.setattr(synchronization, "report_failure", lambda call, channels, device: sent.append(call))
-    monkeypatch.setattr(synchronization, "all_gather_stats", lambda local, call: stats.merge([local]))
+    monkeypatch.setattr(synchronization, "all_gather_stats", lambda local, call: (local.count, *stats.merge([local])))
     return sent
 
 
