@@ -82,8 +82,8 @@ def _torch_cuda_backward_reduce(dy, x, mean):
 def _torch_cuda_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
     if x.numel() == 0:
         return torch.empty_like(x)
-    if count > INT32_MAX:  # torch's op takes int32 counts: divide here, and let it divide by 1
-        sum_dy, sum_dy_xmu, count = sum_dy / count, sum_dy_xmu / count, 1
+    if count > INT32_MAX:  # torch's op takes int32 counts
+        sum_dy, sum_dy_xmu, count = reference.sums_per_value(sum_dy, sum_dy_xmu, count)
     if weight is not None and weight.dtype != mean.dtype:
         weight = weight.to(mean.dtype)
     # a fill kernel, not torch.tensor([count], device=...): that copies from pageable memory,

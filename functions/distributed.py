@@ -125,10 +125,10 @@ def _all_gather_rows(row: Tensor, group: Any) -> Tensor:
 _FORWARD_FLAGS = 4  # a rank failed, calls differ, dtypes differ, one value per channel
 
 
-def _forward_verdict(heads: Tensor) -> Tensor:
-    """On the device, from the gathered headers ``(world, HEADER_SIZE)``: the four flags, the
-    total count, then the headers themselves (for the message), as one float64 row."""
-    total = heads[:, -1].sum()
+def _forward_verdict(heads: Tensor, total: Tensor) -> tuple[Tensor, Tensor]:
+    """On the device, from the gathered headers ``(world, HEADER_SIZE)`` and their total count:
+    the verdict, one float64 row of the four flags, the total, then the headers themselves (for
+    the message); and whether any flag is raised."""
     flags = torch.stack(
         [
             (heads[:, 2] != 0).any(),
@@ -137,7 +137,7 @@ def _forward_verdict(heads: Tensor) -> Tensor:
             total == 1,
         ]
     )
-    return torch.cat([flags.to(heads.dtype), total.unsqueeze(0), heads.flatten()])
+    return torch.cat([flags.to(heads.dtype), total.unsqueeze(0), heads.flatten()]), flags.any()
 
 
 def _explain_forward(call: ProcessGroupCall, values: list[float]) -> BaseException | None:
@@ -187,17 +187,16 @@ def all_gather_stats(local: LocalStats, call: ProcessGroupCall) -> tuple[int | T
     them.
     """
     rows = _all_gather_rows(_stats_row(local, call, failed=False), call.group)
-    verdict = _forward_verdict(rows[:, :HEADER_SIZE])
-    read = checks.verify(verdict, lambda values: _explain_forward(call, values))
     channels = local.mean.numel()
     counts = rows[:, HEADER_SIZE - 1]
     means, m2s = rows[:, HEADER_SIZE : HEADER_SIZE + channels], rows[:, HEADER_SIZE + channels :]
-    total, mean, var = stats.merge_on_device(counts, means, m2s)
+    total, mean, var = stats.merge_on_device(counts, means, m2s)  # pure: nothing changes if a check raises
+    verdict, failed = _forward_verdict(rows[:, :HEADER_SIZE], total)
+    read = checks.verify(verdict, lambda values: _explain_forward(call, values))
     if read is not None:
         count = int(read[_FORWARD_FLAGS])
         return count, count, mean, var
-    passed = (verdict[:_FORWARD_FLAGS] == 0).all()
-    return total, torch.where(passed, total, torch.nan), mean, var
+    return total, torch.where(failed, torch.nan, total), mean, var
 
 
 def report_failure(call: ProcessGroupCall, channels: int, device: torch.device) -> None:

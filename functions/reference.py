@@ -226,6 +226,13 @@ def backward_elemt(
     return dx.to(x.dtype).contiguous(memory_format=memory_format_of(x))
 
 
+def sums_per_value(sum_dy: Tensor, sum_dy_xmu: Tensor, count: Tensor | int) -> tuple[Tensor, Tensor, int]:
+    """``(sum_dy / count, sum_dy_xmu / count, 1)``: backward_elemt's sums and count where the
+    count cannot go to its kernel as it is (a device tensor, or beyond a kernel's int32), so that
+    the kernel divides by 1."""
+    return sum_dy / count, sum_dy_xmu / count, 1
+
+
 def update_running_stats(
     running_mean: Tensor | None,
     running_var: Tensor | None,
@@ -262,7 +269,8 @@ def update_running_stats(
     new_mean = mean * factor + running_mean * (1 - factor)
     new_var = var * (n / (n - 1)) * factor + running_var * (1 - factor)
     if on_device:
-        new_mean, new_var = torch.where(n > 1, new_mean, running_mean), torch.where(n > 1, new_var, running_var)
+        counts = n > 1
+        new_mean, new_var = torch.where(counts, new_mean, running_mean), torch.where(counts, new_var, running_var)
     running_mean.copy_(new_mean)
     running_var.copy_(new_var)
 

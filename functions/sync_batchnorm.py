@@ -124,8 +124,8 @@ class SyncBatchNormFunction(Function):
         if wants_input:
             total_dy, total_dy_xmu = (sum_dy, sum_dy_xmu) if ctx.sync is None else ctx.sync.global_grad_sums(sum_dy, sum_dy_xmu)
             count = ctx.count
-            if isinstance(count, Tensor):  # on the device: divide there, and let the kernel divide by 1
-                total_dy, total_dy_xmu, count = total_dy / count, total_dy_xmu / count, 1
+            if isinstance(count, Tensor):  # on the device: no host read of it
+                total_dy, total_dy_xmu, count = reference.sums_per_value(total_dy, total_dy_xmu, count)
             grad_input = torch.ops.syncbn.backward_elemt(dy, x, mean, invstd, weight, total_dy, total_dy_xmu, count)
         if weight is not None and wants_weight:
             grad_weight = in_dtype(sum_dy_xmu * invstd, weight.dtype)
