@@ -335,6 +335,13 @@ def fused_report(rows: list[str], bandwidth: float, min_run_time: float, allocat
     ])
 
 
+def publish(section: str, write: bool, begin: str = BEGIN, end: str = END) -> None:
+    """Print ``section``, and put it into RESULTS.md when ``write`` (see :func:`write_results`)."""
+    print(section)
+    if write:
+        write_results(section, begin, end)
+
+
 def write_results(section: str, begin: str = BEGIN, end: str = END) -> None:
     """Put ``section`` (which starts with ``begin`` and ends with ``end``) into RESULTS.md in
     place of the one between those markers, or at its end."""
@@ -371,9 +378,7 @@ def main() -> None:
         rows = fused_rows(args.quick, args.min_run_time)
         sections.append((fused_report(rows, bandwidth, args.min_run_time, allocator), FUSED_BEGIN, FUSED_END))
     for section, begin, end in sections:
-        print(section)
-        if not args.no_write:
-            write_results(section, begin, end)
+        publish(section, not args.no_write, begin, end)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from torch.utils import benchmark
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from functions import backend, backend_info  # noqa: E402
-from bench_cpu import Case, write_results  # noqa: E402  (benchmarks/ is on the path as a script)
+from bench_cpu import Case, publish  # noqa: E402  (benchmarks/ is on the path as a script)
 
 BEGIN, END = "<!-- bench_cuda:begin -->", "<!-- bench_cuda:end -->"
 EPS = 1e-5
@@ -219,9 +219,7 @@ def main() -> int:
               f"{backend.CUDA_BUILD_HINT}); timing torch's kernels only")
     torch.manual_seed(0)
     section = report(time_rows(args.quick, args.min_run_time), args.min_run_time)
-    print(section)
-    if not args.no_write:
-        write_results(section, BEGIN, END)
+    publish(section, not args.no_write, BEGIN, END)
     return 0
 
 

@@ -21,7 +21,7 @@ import sys
 from statistics import median
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_cpu import cpu_model, write_results  # noqa: E402
+from bench_cpu import cpu_model, publish  # noqa: E402
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- bench_import: begin -->", "<!-- bench_import: end -->"
@@ -89,9 +89,7 @@ def main() -> None:
         )
     lines.append(END)
     section = "\n".join(lines)
-    print(section)
-    if not args.no_write:
-        write_results(section, BEGIN, END)
+    publish(section, not args.no_write, BEGIN, END)
 
 
 if __name__ == "__main__":

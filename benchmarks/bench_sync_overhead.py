@@ -32,7 +32,7 @@ from torch.utils import benchmark
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_cpu import cpu_model, write_results  # noqa: E402
+from bench_cpu import cpu_model, publish  # noqa: E402
 from functions import checks  # noqa: E402
 from functions.replicas import ReplicaRound  # noqa: E402
 from modules import nn as NN  # noqa: E402
@@ -187,9 +187,7 @@ def main() -> None:
     lines.append(" ".join(f"{r} threads: {us(bare_exchange(r))} us;" for r in replica_counts).rstrip(";"))
     lines.append(END)
     section = "\n".join(lines)
-    print(section)
-    if not args.no_write:
-        write_results(section, BEGIN, END)
+    publish(section, not args.no_write, BEGIN, END)
 
 
 if __name__ == "__main__":

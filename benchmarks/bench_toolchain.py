@@ -26,7 +26,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from bench_cpu import copy_bandwidth_gbs, fused_step, interleaved_medians, machine_line, write_results  # noqa: E402
+from bench_cpu import copy_bandwidth_gbs, fused_step, interleaved_medians, machine_line, publish  # noqa: E402
 from bench_lone_replica import routed  # noqa: E402
 from functions import lone_replica  # noqa: E402
 from helpers import SmallResNet  # noqa: E402
@@ -118,9 +118,7 @@ def main() -> None:
     args = parser.parse_args()
     bandwidth = copy_bandwidth_gbs(args.min_run_time)
     section = report(fixed_cost_rows(args.min_run_time), compile_rows(args.min_run_time), bandwidth, args.min_run_time)
-    print(section)
-    if not args.no_write:
-        write_results(section, BEGIN, END)
+    publish(section, not args.no_write, BEGIN, END)
 
 
 if __name__ == "__main__":
