@@ -207,6 +207,15 @@ note_cuda_build_failure()
 COMPILED_CUDA = load_compiled_cuda() if CUDA_OPT_IN else None
 _TORCH_CUDA_LIBRARY = None if FORCE_REFERENCE or COMPILED_CUDA is not None else register_torch_cuda_ops()
 
+NATIVE_ROUNDS_ENV = "SYNCBN_NATIVE_ROUNDS"
+NATIVE_ROUNDS: ModuleType | None = (
+    COMPILED if COMPILED is not None and os.environ.get(NATIVE_ROUNDS_ENV, "1") != "0" else None
+)
+"""The compiled module whose ``ReplicaRound`` and ``replica_batch_norm`` (src/replica_batch_norm.cpp)
+serve the replicas of one process in one call per layer and direction, or None where the Python
+exchange serves (:mod:`functions.synchronization`): no compiled kernels, the reference asked
+for, or ``$SYNCBN_NATIVE_ROUNDS=0``. Either serves every device (:mod:`functions.replicas`)."""
+
 _BACKEND_NAMES = {
     "cpu": "reference" if COMPILED is None else f"compiled-cpu-{COMPILED.capability.lower()}",
     "cuda": "reference" if FORCE_REFERENCE else "torch-cuda-ops" if COMPILED_CUDA is None else "compiled-cuda",

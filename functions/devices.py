@@ -25,10 +25,21 @@ replicas make one.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Any, ContextManager, Sequence
 
 import torch
 from torch import Tensor
+
+
+_NO_STREAM: ContextManager[None] = contextlib.nullcontext()
+
+
+def on_stream(stream: "torch.cuda.Stream | None") -> ContextManager[Any]:
+    """Work queued on ``stream`` (and its device current), or where it is when None (CPU, or
+    the calling thread's own stream): how one thread runs another replica's part in that
+    replica's stream order."""
+    return _NO_STREAM if stream is None else torch.cuda.stream(stream)
 
 
 def mark_ready(tensor: Tensor) -> "torch.cuda.Event | None":

@@ -17,6 +17,11 @@ Where a round begins:
 Replicas exchange through :meth:`ReplicaRound.exchange`, keyed by direction and by the replica's
 call number, so a layer called twice syncs twice and backward meets the right forward. Every
 wait has a timeout; a failure or a timeout breaks the round for every replica at once.
+
+Where the compiled module is loaded (:data:`functions.backend.NATIVE_ROUNDS`) and no process
+group takes part, a round meets natively instead: :meth:`ReplicaRound.native` is its C++ side
+(src/replica_round.h: the same keys, timeouts, messages and aborts), where a replica posts and
+waits without the GIL in one call per layer and direction (src/replica_batch_norm.cpp).
 """
 from __future__ import annotations
 
@@ -30,8 +35,13 @@ from typing import Any, Callable, Iterable, Sequence
 from torch import nn
 from torch.nn.parallel.replicate import replicate as _torch_replicate
 
+from . import backend
+
 TIMEOUT_ENV = "SYNCBN_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0
+NATIVE_SPIN_US = 50.0
+"""How long a native waiter polls (yielding its core) before it sleeps: waking a sleeping thread
+costs tens of microseconds on a VM, more than a replica's post (benchmarks/bench_sync_overhead.py)."""
 REPLICA_ATTR = "_sync_replica"
 
 Key = tuple[str, int]
@@ -39,6 +49,10 @@ Key = tuple[str, int]
 
 class ReplicaSyncError(RuntimeError):
     """Replicas of a layer could not complete an exchange: one failed, or one never came."""
+
+
+if backend.NATIVE_ROUNDS is not None:
+    backend.NATIVE_ROUNDS.set_replica_sync_error(ReplicaSyncError)  # what a native waiter raises
 
 
 def resolve_timeout(timeout: float | None) -> float:
@@ -85,6 +99,7 @@ class ReplicaRound:
         self._sealed = False
         self._slots: dict[Key, _Slot] = {}
         self._failure: tuple[int | None, BaseException] | None = None
+        self._native: Any = None
 
     @property
     def size(self) -> int:
@@ -114,6 +129,34 @@ class ReplicaRound:
             if self._failure is None:
                 self._failure = (index, error)
             self._wake_everyone()
+            native = self._native
+        if native is not None:
+            native.abort(self._failure_reason())
+
+    def native(self) -> Any:
+        """The round's native side (:data:`functions.backend.NATIVE_ROUNDS`), made at its first
+        native exchange, which seals the round; broken already where the round is."""
+        with self._lock:
+            if self._native is None:
+                self._sealed = True
+                assert backend.NATIVE_ROUNDS is not None
+                self._native = backend.NATIVE_ROUNDS.ReplicaRound(self.size, self.timeout, self.layer, self.number, NATIVE_SPIN_US)
+                if self._failure is not None:
+                    self._native.abort(self._failure_reason())
+            return self._native
+
+    @property
+    def failure_cause(self) -> BaseException | None:
+        """The error that broke the round from Python, if one did."""
+        return None if self._failure is None else self._failure[1]
+
+    def _failure_reason(self) -> str:
+        """Why the round broke, as the errors of the replicas that waited say it."""
+        index, cause = self._failure  # type: ignore[misc]
+        if isinstance(cause, ReplicaSyncError):
+            return f"the round was broken: {cause}"
+        who = "a replica" if index is None else f"replica {index}"
+        return f"{who} failed: {type(cause).__name__}: {cause}"
 
     def _wake_everyone(self) -> None:
         self._all_arrived.notify_all()
@@ -196,14 +239,10 @@ class ReplicaRound:
         )
 
     def _aborted_error(self, key: Key, slot: _Slot) -> ReplicaSyncError:
-        index, cause = self._failure  # type: ignore[misc]
-        if isinstance(cause, ReplicaSyncError):
-            return ReplicaSyncError(f"{self._where(key, slot)}; the round was broken: {cause}")
-        who = "a replica" if index is None else f"replica {index}"
-        error = ReplicaSyncError(
-            f"{self._where(key, slot)}; {who} failed: {type(cause).__name__}: {cause}"
-        )
-        error.__cause__ = cause
+        cause = self.failure_cause
+        error = ReplicaSyncError(f"{self._where(key, slot)}; {self._failure_reason()}")
+        if not isinstance(cause, ReplicaSyncError):
+            error.__cause__ = cause
         return error
 
 

@@ -21,14 +21,17 @@ math over the ``torch.ops.syncbn`` operators.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 from torch.autograd.function import Function
 from torch.nn import functional as F
 
-from . import backend, checks, reference  # noqa: F401  (backend: registers the kernels)
+from . import backend, checks, devices, reference  # noqa: F401  (backend: registers the kernels)
 from .reference import in_dtype, memory_format_of, values_per_channel
-from .stats import check_values_per_channel
+from .stats import LocalStats, check_values_per_channel
+from .replicas import ReplicaCall, ReplicaSyncError
 from .synchronization import Synchronizer
 
 
@@ -70,13 +73,9 @@ class SyncBatchNormFunction(Function):
             return torch.ops.syncbn.batch_norm_train(
                 x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, residual, negative_slope
             )
-        count, mean, var, mean_acc, invstd = sync.global_stats(x, *torch.ops.syncbn.local_stats(x), eps)
-        if sync.is_master:
-            # a count still on the device (deferred checks): the update in device ops, no host read
-            update = reference.update_running_stats if isinstance(count, Tensor) else torch.ops.syncbn.update_running_stats
-            update(running_mean, running_var, num_batches_tracked, momentum, mean, var, count)
-        y = torch.ops.syncbn.elemt_forward(x, mean_acc, invstd, weight, bias, residual, negative_slope)
-        return y, mean_acc, invstd
+        part = _ForwardPart(x, weight, bias, residual, sync.stream_for(x.device))
+        running = (running_mean, running_var, num_batches_tracked, momentum)
+        return sync.on_master("forward", part, lambda parts: _forward_every_replica(parts, sync, eps, negative_slope, running))
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor, Tensor]) -> None:
@@ -85,7 +84,6 @@ class SyncBatchNormFunction(Function):
         ctx.mark_non_differentiable(mean, invstd)
         ctx.save_for_backward(input, weight, bias, residual, mean, invstd)
         ctx.sync, ctx.layer, ctx.eps, ctx.negative_slope = sync, layer, eps, negative_slope
-        ctx.count = values_per_channel(input) if sync is None else sync.count
 
     @staticmethod
     def backward(ctx, grad_output: Tensor, _grad_mean: Tensor | None, _grad_invstd: Tensor | None):  # type: ignore[override]
@@ -112,28 +110,116 @@ class SyncBatchNormFunction(Function):
         input, weight, bias, residual, mean, invstd = ctx.saved_tensors
         x = input.contiguous(memory_format=memory_format_of(input))
         dy = grad_output.contiguous(memory_format=memory_format_of(x))
-        if ctx.negative_slope is None:
-            sum_dy, sum_dy_xmu = torch.ops.syncbn.backward_reduce(dy, x, mean)
-        else:  # dy through the activation, and its sums, in one pass
-            _, dy, sum_dy, sum_dy_xmu = torch.ops.syncbn.backward_affine_act(
-                dy, x, mean, invstd, weight, bias, residual, ctx.negative_slope,
-                input_grad=False, residual_grad=True, sums=True,
-            )
-        wants_input, wants_weight, wants_bias = ctx.needs_input_grad[:3]
-        grad_input = grad_weight = grad_bias = grad_residual = None
-        if wants_input:
-            total_dy, total_dy_xmu = (sum_dy, sum_dy_xmu) if ctx.sync is None else ctx.sync.global_grad_sums(sum_dy, sum_dy_xmu)
-            count = ctx.count
-            if isinstance(count, Tensor):  # on the device: no host read of it
-                total_dy, total_dy_xmu, count = reference.sums_per_value(total_dy, total_dy_xmu, count)
-            grad_input = torch.ops.syncbn.backward_elemt(dy, x, mean, invstd, weight, total_dy, total_dy_xmu, count)
-        if weight is not None and wants_weight:
-            grad_weight = in_dtype(sum_dy_xmu * invstd, weight.dtype)
-        if bias is not None and wants_bias:
-            grad_bias = in_dtype(sum_dy, bias.dtype)
-        if residual is not None and ctx.needs_input_grad[10]:
-            grad_residual = dy
+        needs = ctx.needs_input_grad
+        wants = (needs[0], weight is not None and needs[1], bias is not None and needs[2], residual is not None and needs[10])
+        sync, slope = ctx.sync, ctx.negative_slope
+        if sync is None:
+            part = _BackwardPart(dy, x, mean, invstd, weight, bias, residual, wants, None)
+            grads = _backward_every_replica([part], values_per_channel(x), None, slope)[0]
+        else:
+            part = _BackwardPart(dy, x, mean, invstd, weight, bias, residual, wants, sync.stream_for(x.device))
+            # the master's sync holds the global count, and joins the all_reduce
+            grads = sync.on_master("backward", part, lambda parts: _backward_every_replica(parts, sync.count, sync, slope))
+        grad_input, grad_weight, grad_bias, grad_residual = grads
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, grad_residual, None
+
+
+class _ForwardPart(NamedTuple):
+    """One replica's share of a synchronized forward, and the stream it runs on."""
+
+    x: Tensor
+    weight: Tensor | None
+    bias: Tensor | None
+    residual: Tensor | None
+    stream: "torch.cuda.Stream | None"
+
+
+class _BackwardPart(NamedTuple):
+    """One replica's share of a backward: what it saved, its gradient, and which gradients it
+    wants (input, weight, bias, residual)."""
+
+    dy: Tensor
+    x: Tensor
+    mean: Tensor
+    invstd: Tensor
+    weight: Tensor | None
+    bias: Tensor | None
+    residual: Tensor | None
+    wants: tuple[bool, bool, bool, bool]
+    stream: "torch.cuda.Stream | None"
+
+
+def _forward_every_replica(
+    parts: list[_ForwardPart],
+    sync: Synchronizer,
+    eps: float,
+    negative_slope: float | None,
+    running: tuple[Tensor | None, Tensor | None, Tensor | None, float | None],
+) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """On the master, for every replica's part: its local (count, mean, M2), merged over the
+    replicas and ranks (:meth:`Synchronizer.merge_stats`); the running statistics updated once;
+    mean and invstd in the accumulation dtype, computed once and fetched to each part's device;
+    and each part's ``y``. Returns ``(y, mean, invstd)`` per part."""
+    local = []
+    for part in parts:
+        with devices.on_stream(part.stream):
+            mean, m2 = torch.ops.syncbn.local_stats(part.x)
+            ready = None if part.stream is None else devices.mark_ready(m2)
+        local.append(LocalStats(values_per_channel(part.x), mean, m2, part.x.dtype, part.x.shape, ready))
+    count, mean, var = sync.merge_stats(local)
+    # a count still on the device (deferred checks): the update in device ops, no host read
+    update = reference.update_running_stats if isinstance(count, Tensor) else torch.ops.syncbn.update_running_stats
+    update(*running[:3], running[3], mean, var, count)
+    mean_acc, invstd = reference.normalization(mean, var, eps, reference.accumulation_dtype(parts[0].x.dtype))
+    ready = devices.mark_ready(invstd)
+    results = []
+    for part in parts:
+        with devices.on_stream(part.stream):
+            part_mean, part_invstd = devices.fetch(mean_acc, part.x.device, ready), devices.fetch(invstd, part.x.device, ready)
+            y = torch.ops.syncbn.elemt_forward(part.x, part_mean, part_invstd, part.weight, part.bias, part.residual, negative_slope)
+        results.append((y, part_mean, part_invstd))
+    return results
+
+
+def _backward_every_replica(
+    parts: list[_BackwardPart], count: int | Tensor, sync: Synchronizer | None, negative_slope: float | None
+) -> list[tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]]:
+    """On the master, for every replica's part: ``dy`` through the activation (if any) and its
+    local (sum_dy, sum_dy_xmu); those summed over the replicas and ranks (``count`` values per
+    channel in all, an int or a 0-dim device tensor); each part's input gradient from the totals,
+    and its weight, bias and residual gradients from its own sums. Returns the four gradients per
+    part (None where not wanted)."""
+    local = []
+    for part in parts:
+        with devices.on_stream(part.stream):
+            if negative_slope is None:
+                dy = part.dy
+                sum_dy, sum_dy_xmu = torch.ops.syncbn.backward_reduce(dy, part.x, part.mean)
+            else:  # dy through the activation, and its sums, in one pass
+                _, dy, sum_dy, sum_dy_xmu = torch.ops.syncbn.backward_affine_act(
+                    part.dy, part.x, part.mean, part.invstd, part.weight, part.bias, part.residual, negative_slope,
+                    input_grad=False, residual_grad=True, sums=True,
+                )
+            ready = None if part.stream is None else devices.mark_ready(sum_dy_xmu)
+        local.append((dy, sum_dy, sum_dy_xmu, ready))
+    totals = _global_sums(local, count, sync) if any(part.wants[0] for part in parts) else None
+    results = []
+    for part, (dy, sum_dy, sum_dy_xmu, _) in zip(parts, local):
+        wants_input, wants_weight, wants_bias, wants_residual = part.wants
+        with devices.on_stream(part.stream):
+            grad_input = None
+            if wants_input:
+                assert totals is not None
+                total_dy, total_dy_xmu, part_count, ready = totals
+                total_dy = devices.fetch(total_dy, part.x.device, ready)
+                total_dy_xmu = devices.fetch(total_dy_xmu, part.x.device, ready)
+                grad_input = torch.ops.syncbn.backward_elemt(
+                    dy, part.x, part.mean, part.invstd, part.weight, total_dy, total_dy_xmu, part_count
+                )
+            grad_weight = in_dtype(sum_dy_xmu * part.invstd, part.weight.dtype) if wants_weight else None  # type: ignore[union-attr]
+            grad_bias = in_dtype(sum_dy, part.bias.dtype) if wants_bias else None  # type: ignore[union-attr]
+        results.append((grad_input, grad_weight, grad_bias, dy if wants_residual else None))
+    return results
 
 
 _BASE_APPLY = vars(torch._C._FunctionBase)["apply"]
@@ -217,3 +303,63 @@ def sync_batch_norm(
         negative_slope,
     )
     return y
+
+
+def _global_sums(
+    local: list[tuple[Tensor, Tensor, Tensor, object]], count: int | Tensor, sync: Synchronizer | None
+) -> tuple[Tensor, Tensor, int | Tensor, object]:
+    """The parts' (sum_dy, sum_dy_xmu) summed in replica order on the first part's device, then
+    over the ranks, as backward_elemt takes them with ``count`` (divided by it here where it is a
+    device tensor), and an event after them for the parts on other devices."""
+    device = local[0][1].device
+    sums_dy = [devices.fetch(sum_dy, device, ready) for _, sum_dy, _, ready in local]
+    sums_dy_xmu = [devices.fetch(sum_dy_xmu, device, ready) for _, _, sum_dy_xmu, ready in local]
+    total_dy = sums_dy[0] if len(sums_dy) == 1 else torch.stack(sums_dy).sum(0)
+    total_dy_xmu = sums_dy_xmu[0] if len(sums_dy_xmu) == 1 else torch.stack(sums_dy_xmu).sum(0)
+    if sync is not None:
+        total_dy, total_dy_xmu = sync.sum_over_ranks(total_dy, total_dy_xmu)
+    if isinstance(count, Tensor):  # on the device: no host read of it
+        total_dy, total_dy_xmu, count = reference.sums_per_value(total_dy, total_dy_xmu, count)
+    return total_dy, total_dy_xmu, count, devices.mark_ready(total_dy_xmu)
+
+
+def native_replicas_serve() -> bool:
+    """Whether :func:`replica_batch_norm` serves a call synchronized over this process's replicas
+    alone: the compiled module is loaded (:data:`functions.backend.NATIVE_ROUNDS`) and no
+    torch.func transform is active (they need the autograd Function)."""
+    return backend.NATIVE_ROUNDS is not None and not torch._C._are_functorch_transforms_active()
+
+
+def replica_batch_norm(
+    input: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    momentum: float | None,
+    eps: float,
+    *,
+    num_batches_tracked: Tensor | None,
+    call: ReplicaCall,
+    layer: str,
+    residual: Tensor | None = None,
+    negative_slope: float | None = None,
+) -> Tensor:
+    """:func:`sync_batch_norm` over the replicas of this process (``call``: this replica's call
+    in its round), no process group, in one native call per replica and direction
+    (src/replica_batch_norm.cpp): the replica posts its part and waits without the GIL; the master
+    replica does the forward of every replica (the math of ``_forward_every_replica``), and, in
+    the backward, its autograd node the backward of every replica (``_backward_every_replica``).
+    Same arguments, results, errors and timeouts as :func:`sync_batch_norm` with a
+    :class:`~functions.synchronization.Synchronizer`; the autograd node is C++ (no Python runs in
+    a replica's backward). Raises :class:`~functions.ReplicaSyncError` where the round broke."""
+    try:
+        return backend.NATIVE_ROUNDS.replica_batch_norm(  # type: ignore[union-attr]
+            call.round.native(), call.index, call.number, input, weight, bias, running_mean, running_var,
+            num_batches_tracked, momentum, eps, residual, negative_slope, layer,
+        )
+    except ReplicaSyncError as error:
+        cause = call.round.failure_cause
+        if error.__cause__ is None and cause is not None and not isinstance(cause, ReplicaSyncError):
+            error.__cause__ = cause
+        raise

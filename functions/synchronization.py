@@ -1,19 +1,31 @@
 """Where the replicas and the ranks of a synchronized layer meet, for one call: the one owner of
-rounds, fences, collectives, failure reporting and aborts.
+rounds, streams, fences, collectives, failure reporting and aborts.
 
 The layer builds a :class:`Synchronizer` for each call that syncs (training with more than one
-replica in the process, or a process group of more than one rank). The autograd Function asks
-it for two exchanges and nothing else:
+replica in the process, or a process group of more than one rank). The autograd Function meets
+the other replicas once per direction, with :meth:`Synchronizer.on_master`: each replica posts
+its part of the call (its tensors, and the stream it runs on) to its round
+(:mod:`functions.replicas`) and waits; the master replica (index 0) does the whole call for every
+replica, in replica order, and hands each its own result. The master's work asks this class for
+what crosses replicas and ranks:
 
-- forward, :meth:`Synchronizer.global_stats`: each replica posts its (count, mean, M2) to its
-  round (:mod:`functions.replicas`); the master replica (index 0) fetches them onto its device
-  after each replica's work (:mod:`functions.devices`: an event per part, no host sync), checks
-  that they agree, and, where a process group is given, merges them into the process's part and
-  joins ONE all_gather (:mod:`functions.distributed`); then it merges every part in rank order
-  (:func:`functions.stats.merge`), turns the result into what the elementwise kernels take
-  (mean and invstd in the accumulation dtype, once for every replica) and hands it back;
-- backward, :meth:`Synchronizer.global_grad_sums`: the replicas' (sum_dy, sum_dy_xmu) summed on
-  the master, then over the ranks in ONE all_reduce, and handed back.
+- :meth:`Synchronizer.merge_stats`: the replicas' (count, mean, M2) fetched onto the master's
+  device after each part's work (:mod:`functions.devices`: an event per part, no host sync),
+  checked to agree, and, where a process group is given, merged into the process's part and
+  sent through ONE all_gather (:mod:`functions.distributed`); then every part merged in rank
+  order (:func:`functions.stats.merge`);
+- :meth:`Synchronizer.sum_over_ranks`: the backward's (sum_dy, sum_dy_xmu) row over the ranks in
+  ONE all_reduce;
+- :meth:`Synchronizer.stream_for`: the stream a replica runs on, which the master runs its part
+  on (:func:`functions.devices.on_stream`); what the master made on its own device reaches the
+  others after an event (:func:`functions.devices.fetch`).
+
+Why the master does every replica's work: replicas are threads of one process, and every call
+into torch hands the GIL to another runnable replica and waits to get it back. A replica that
+only posts and waits makes no such call while the others run; the master's calls find no one
+waiting for the GIL (measured in benchmarks/bench_sync_overhead.py). The kernels' own work is
+not serialized by it where it matters: CUDA kernels are queued on each replica's stream, and the
+CPU kernels use every core themselves.
 
 Whoever catches an error during the call hands it to :meth:`Synchronizer.fail`: the other
 replicas of the round are released at once (they raise instead of waiting), and a process master
@@ -23,16 +35,18 @@ ranks raise too rather than wait for the collective's timeout.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 from torch import Tensor
 
-from . import checks, devices, reference, stats
+from . import checks, devices, stats
 from .distributed import ProcessGroupCall, ProcessGroupSync, all_gather_stats, all_reduce_sums, report_failure
-from .reference import values_per_channel
 from .replicas import ReplicaCall, ReplicaHandle
 from .stats import LocalStats
+
+Part = TypeVar("Part")
+Result = TypeVar("Result")
 
 
 class Synchronizer:
@@ -41,7 +55,7 @@ class Synchronizer:
 
     ``layer`` names the layer in errors; ``channels`` and ``device`` (the layer's) shape the
     failed-flag row that :meth:`fail` sends to the ranks. ``count`` is the global number of
-    values per channel once :meth:`global_stats` has run.
+    values per channel once :meth:`merge_stats` has run (on the master).
     """
 
     def __init__(
@@ -79,53 +93,58 @@ class Synchronizer:
 
     @property
     def is_master(self) -> bool:
-        """The one replica of the process that updates the running statistics."""
+        """The one replica of the process that does every replica's work and updates the
+        running statistics."""
         return self.replica_call is None or self.replica_call.is_master
 
-    def global_stats(
-        self, x: Tensor, mean: Tensor, m2: Tensor, eps: float
-    ) -> tuple[int | Tensor, Tensor | None, Tensor | None, Tensor, Tensor]:
-        """From this replica's local ``mean`` and ``m2`` of ``x`` (``(C,)`` each): the count,
-        mean and biased variance (float64) to update the running statistics with, on the master
-        replica only (else the count and None, None), and the mean and invstd = 1 / sqrt(var +
-        eps) in the accumulation dtype on x's device, which the master computes once for every
-        replica. The counts are ints, or 0-dim float64 tensors on the device where they come
-        from a collective whose checks are deferred (:func:`functions.distributed.all_gather_stats`:
-        then the update's is NaN where a check failed). :attr:`count` is the total, for the
-        backward."""
-        acc = reference.accumulation_dtype(x.dtype)
-        # only a part that another replica's thread fetches needs a fence
-        ready = None if self.replica_call is None else devices.mark_ready(mean)
-        local = LocalStats(values_per_channel(x), mean, m2, x.dtype, x.shape, ready)
+    def stream_for(self, device: torch.device) -> "torch.cuda.Stream | None":
+        """The stream this replica runs on, on ``device``, for the master to run its part on
+        (None: a CPU device, or no other replica in the process, whose work runs here)."""
+        if self.replica_call is None or device.type != "cuda":
+            return None
+        return torch.cuda.current_stream(device)
+
+    def on_master(self, direction: str, part: Part, work: Callable[[list[Part]], Sequence[Result]]) -> Result:
+        """Post ``part`` and return this replica's result of ``work``, which the master runs once
+        over every replica's part (in replica order) and which returns one result per part.
+        Raises :class:`~functions.ReplicaSyncError` when another replica failed or one never came
+        (after the round's timeout); an error raised by ``work`` is the master's, and breaks the
+        round for the others."""
         if self.replica_call is None:
-            self.count, counted, mean, var = self._merge_parts([local])
-            return (counted, mean, var, *reference.normalization(mean, var, eps, acc))
-        merged: list[tuple] = []  # the master's own (counted, mean, var): its combine runs here
+            return work([part])[0]
+        call = self.replica_call
+        return call.exchange(direction, part, work)[call.index]
 
-        def merge(parts: list[LocalStats]) -> tuple:
-            count, counted, mean, var = self._merge_parts(parts)
-            merged.append((counted, mean, var))
-            mean_acc, invstd = reference.normalization(mean, var, eps, acc)
-            return count, mean_acc, invstd, devices.mark_ready(invstd)
+    def merge_stats(self, parts: list[LocalStats]) -> tuple[int | Tensor, Tensor, Tensor]:
+        """On the master: the replicas' parts (and, with a process group, every rank's) merged,
+        on the first part's device, as (the count to update the running statistics with, mean,
+        biased variance), float64; :attr:`count` is the total, for the backward. Raises when they
+        disagree on channels or dtype, or hold one value per channel between them, before
+        anything is updated; the ranks raise alike (where their checks are read at once:
+        :mod:`functions.checks`). The counts are ints, or 0-dim float64 tensors on the device
+        where they come from a collective whose checks are deferred
+        (:func:`functions.distributed.all_gather_stats`: then the update's is NaN where a check
+        failed)."""
+        stats.check_parts_agree(parts, self.layer)
+        parts = _on_one_device(parts)
+        if self.process_call is not None:
+            # a deferred failure found here raises before this rank joins the collective, so
+            # that fail() joins it with a failed flag: the ranks' collectives stay paired
+            checks.poll()
+            self._joined_collective = True
+            self.count, counted, mean, var = all_gather_stats(stats.merge_into_one(parts), self.process_call)
+            return counted, mean, var
+        stats.check_values_per_channel(sum(part.count for part in parts), self.layer, [p.input_shape for p in parts])
+        self.count, mean, var = stats.merge(parts)
+        return self.count, mean, var
 
-        count, mean_acc, invstd, ready = self._exchange("forward", local, merge)
-        mean_acc, invstd = devices.fetch(mean_acc, x.device, ready), devices.fetch(invstd, x.device, ready)
-        if isinstance(count, Tensor):
-            count = devices.fetch(count, x.device, ready)
-        self.count = count
-        counted, mean, var = merged[0] if merged else (count, None, None)
-        return counted, mean, var, mean_acc, invstd
-
-    def global_grad_sums(self, sum_dy: Tensor, sum_dy_xmu: Tensor) -> tuple[Tensor, Tensor]:
-        """(sum_dy, sum_dy_xmu) summed over every replica and rank in one exchange, on this
-        replica's device. The master does every op of the sum: the others only wait, and each
-        op they made would hand the GIL around among the replica threads."""
-        part = (sum_dy, sum_dy_xmu, devices.mark_ready(sum_dy_xmu) if self.replica_call is not None else None)
-        if self.replica_call is None:
-            total_dy, total_dy_xmu, ready = self._sum_parts([part])
-        else:
-            total_dy, total_dy_xmu, ready = self._exchange("backward", part, self._sum_parts)
-        return devices.fetch(total_dy, sum_dy.device, ready), devices.fetch(total_dy_xmu, sum_dy.device, ready)
+    def sum_over_ranks(self, sum_dy: Tensor, sum_dy_xmu: Tensor) -> tuple[Tensor, Tensor]:
+        """On the master: the replicas' summed (sum_dy, sum_dy_xmu), summed over the ranks too
+        (one all_reduce of both as one ``(2C,)`` row), or themselves without a process group."""
+        if self.process_call is None:
+            return sum_dy, sum_dy_xmu
+        total_dy, total_dy_xmu = all_reduce_sums(torch.cat([sum_dy, sum_dy_xmu]), self.process_call).chunk(2)
+        return total_dy, total_dy_xmu
 
     def fail(self, error: BaseException) -> None:
         """This replica failed during the call: release the other replicas of its round, and,
@@ -135,40 +154,6 @@ class Synchronizer:
         if self.process_call is not None and not self._joined_collective and isinstance(error, Exception):
             self._joined_collective = True
             report_failure(self.process_call, self.channels, self.device)
-
-    def _exchange(self, direction: str, payload: Any, combine: Callable[[list[Any]], Any]) -> Any:
-        assert self.replica_call is not None
-        return self.replica_call.exchange(direction, payload, combine)
-
-    def _merge_parts(self, parts: list[LocalStats]) -> tuple[int | Tensor, int | Tensor, Tensor, Tensor]:
-        """On the master: the replicas' parts (and, with a process group, every rank's) merged,
-        as (count, count to update the running statistics with, mean, var). Raises when they
-        disagree on channels or dtype, or hold one value per channel between them, before
-        anything is updated; the ranks raise alike (where their checks are read at once:
-        :mod:`functions.checks`)."""
-        stats.check_parts_agree(parts, self.layer)
-        parts = _on_one_device(parts)
-        if self.process_call is not None:
-            # a deferred failure found here raises before this rank joins the collective, so
-            # that fail() joins it with a failed flag: the ranks' collectives stay paired
-            checks.poll()
-            self._joined_collective = True
-            return all_gather_stats(stats.merge_into_one(parts), self.process_call)
-        stats.check_values_per_channel(sum(part.count for part in parts), self.layer, [p.input_shape for p in parts])
-        count, mean, var = stats.merge(parts)
-        return count, count, mean, var
-
-    def _sum_parts(self, parts: list[tuple[Tensor, Tensor, Any]]) -> tuple[Tensor, Tensor, Any]:
-        """On the master: the replicas' (sum_dy, sum_dy_xmu), each pair as one ``(2C,)`` row,
-        summed in replica order on the first one's device, then over the ranks (one
-        all_reduce)."""
-        device = parts[0][0].device
-        rows = [torch.cat([devices.fetch(dy, device, ready), devices.fetch(dy_xmu, device, ready)]) for dy, dy_xmu, ready in parts]
-        total = rows[0] if len(rows) == 1 else torch.stack(rows).sum(0)
-        if self.process_call is not None:
-            total = all_reduce_sums(total, self.process_call)
-        total_dy, total_dy_xmu = total.chunk(2)
-        return total_dy, total_dy_xmu, devices.mark_ready(total)
 
 
 def _on_one_device(parts: list[LocalStats]) -> list[LocalStats]:

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from functions import frozen_batch_norm, sync_batch_norm
+from functions.sync_batchnorm import native_replicas_serve, replica_batch_norm
 from functions.lone_replica import takes_our_kernels
 from functions.distributed import ProcessGroupSync, active_process_group, consecutive_rank_groups
 from functions.reference import values_per_channel
@@ -287,6 +288,9 @@ class SyncBatchNorm(_BatchNorm):
     def _forward_synced(self, input: Tensor, z: Tensor | None, handle: ReplicaHandle | None, group: Any) -> Tensor:
         """Replicas (``handle``) and/or ranks (``group``) exchange statistics, eagerly:
         torch.compile breaks the graph here (:func:`~modules.compiler.disable_when_compiling`)."""
+        if group is None and native_replicas_serve():
+            assert handle is not None
+            return self._replica_batch_norm(input, z, handle)
         device = self.weight.device if self.weight is not None else input.device
         sync = Synchronizer.for_call(handle, group, self._process_sync, self._label(), self.num_features, device)
         try:
@@ -296,9 +300,25 @@ class SyncBatchNorm(_BatchNorm):
             sync.fail(error)
             raise
 
+    def _replica_batch_norm(self, input: Tensor, z: Tensor | None, handle: ReplicaHandle) -> Tensor:
+        """Replicas of one process alone, natively: one call per replica and direction."""
+        call = handle.next_call()
+        try:
+            self._check_input(input, z)
+            return self._batch_stats(replica_batch_norm, input, z, call=call)
+        except BaseException as error:
+            call.round.abort(error, call.index)
+            raise
+
     def _sync_batch_norm(self, input: Tensor, z: Tensor | None, sync: Synchronizer | None) -> Tensor:
+        return self._batch_stats(sync_batch_norm, input, z, sync=sync)
+
+    def _batch_stats(self, function: Any, input: Tensor, z: Tensor | None, **meeting: Any) -> Tensor:
+        """``function`` (:func:`~functions.sync_batch_norm` or
+        :func:`~functions.sync_batchnorm.replica_batch_norm`) on this layer's state, with
+        ``meeting`` (its ``sync`` or ``call``)."""
         updates = self.training and self.track_running_stats
-        return sync_batch_norm(
+        return function(
             input,
             self.running_mean if updates else None,
             self.running_var if updates else None,
@@ -307,10 +327,10 @@ class SyncBatchNorm(_BatchNorm):
             self.momentum,
             self.eps,
             num_batches_tracked=self.num_batches_tracked if updates else None,
-            sync=sync,
             layer=self._label(),
             residual=z,
             negative_slope=self._negative_slope(),
+            **meeting,
         )
 
     def _forward_fixed_stats(self, input: Tensor, z: Tensor | None) -> Tensor:

@@ -12,6 +12,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+import modules.nn
+from functions.replicas import ReplicaRound
 from modules import nn as NN
 from modules.parallel import ThreadedDataParallel
 from testkit.lockstep import assert_agree, state_quantities, train_side_by_side
@@ -175,3 +177,26 @@ def share_of_a_counting_thread(call) -> float:
         done.set()
         counter.join()
     return during / (pace * elapsed)
+
+
+def count_exchanges(monkeypatch) -> list[tuple[str, int]]:
+    """The (direction, call) of every replica exchange from now on, whichever path meets: the
+    Python round's exchanges, and the native path's calls (its forward, and its backward node's
+    runs, seen through a pre-hook on the node)."""
+    calls: list[tuple[str, int]] = []
+    python_exchange, native_call = ReplicaRound.exchange, modules.nn.replica_batch_norm
+
+    def python_counting(self, key, *args, **kwargs):
+        calls.append(key)
+        return python_exchange(self, key, *args, **kwargs)
+
+    def native_counting(*args, call, **kwargs):
+        calls.append(("forward", call.number))
+        y = native_call(*args, call=call, **kwargs)
+        if y.grad_fn is not None:
+            y.grad_fn.register_prehook(lambda grads: calls.append(("backward", call.number)))
+        return y
+
+    monkeypatch.setattr(ReplicaRound, "exchange", python_counting)
+    monkeypatch.setattr(modules.nn, "replica_batch_norm", native_counting)
+    return calls

@@ -6,16 +6,14 @@ eval mode; no communication when frozen; freeze_batchnorm, fuse_bn_act and their
 from __future__ import annotations
 
 import copy
-import unittest.mock
 
 import pytest
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from functions import frozen_batch_norm, serves_single_device
-from functions.replicas import ReplicaRound
-from helpers import randomize_affine
+from functions import backend, frozen_batch_norm, serves_single_device
+from helpers import count_exchanges, randomize_affine
 from modules import nn as NN
 from modules.parallel import ThreadedDataParallel
 from testkit.lockstep import assert_agree, train_side_by_side
@@ -96,6 +94,14 @@ def test_frozen_matches_eval_mode_with_trainable_affine(activation, negative_slo
     train_pair(ref, ours, shape, residual, replicas, ref_training=False, memory_format=memory_format)
 
 
+@pytest.mark.parametrize("activation,negative_slope", ACTIVATIONS[1:])
+def test_fused_training_through_the_python_exchange(monkeypatch: pytest.MonkeyPatch, activation, negative_slope) -> None:
+    # what serves with a process group and without the compiled module (tests/test_parity.py)
+    monkeypatch.setattr(backend, "NATIVE_ROUNDS", None)
+    ref, ours = make_pair(4, 3, activation, negative_slope=negative_slope)
+    train_pair(ref, ours, (7, 3, 5, 4), True, 3, memory_format=torch.channels_last)
+
+
 @pytest.mark.parametrize("activation,negative_slope", ACTIVATIONS)
 @pytest.mark.parametrize("residual", [False, True], ids=["no-z", "z"])
 def test_eval_mode_with_activation_matches_unfused(activation, negative_slope, residual) -> None:
@@ -113,23 +119,16 @@ def test_frozen_without_affine_and_with_frozen_parameters(affine) -> None:
     train_pair(ref, ours, (5, 3, 2, 2), residual=False, ref_training=False)
 
 
-def test_frozen_layer_never_updates_or_communicates() -> None:
+def test_frozen_layer_never_updates_or_communicates(monkeypatch: pytest.MonkeyPatch) -> None:
     ref, ours = make_pair(4, 3, None, frozen=True)
     before = {name: b.clone() for name, b in ours.named_buffers()}
     runner = ThreadedDataParallel(ours, ["cpu"] * 3)
-    calls = []
-    original = ReplicaRound.exchange
-
-    def counting(self, *args, **kwargs):
-        calls.append(args[0])
-        return original(self, *args, **kwargs)
-
-    with unittest.mock.patch.object(ReplicaRound, "exchange", counting):
-        runner(torch.randn(7, 3, 4, 4, dtype=torch.float64, requires_grad=True)).sum().backward()
-        assert calls == [], f"a frozen layer exchanged {calls}"
-        ours.unfreeze()
-        runner(torch.randn(7, 3, 4, 4, dtype=torch.float64, requires_grad=True)).sum().backward()
-        assert [key for key, _ in calls] == ["forward", "forward", "forward", "backward", "backward", "backward"]
+    calls = count_exchanges(monkeypatch)
+    runner(torch.randn(7, 3, 4, 4, dtype=torch.float64, requires_grad=True)).sum().backward()
+    assert calls == [], f"a frozen layer exchanged {calls}"
+    ours.unfreeze()
+    runner(torch.randn(7, 3, 4, 4, dtype=torch.float64, requires_grad=True)).sum().backward()
+    assert [key for key, _ in calls] == ["forward", "forward", "forward", "backward", "backward", "backward"]
     assert int(ours.num_batches_tracked) == 1 and not torch.equal(ours.running_mean, before["running_mean"])
 
 

@@ -14,8 +14,7 @@ from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from functions import lone_replica, serves_single_device
-from functions.replicas import ReplicaRound
-from helpers import randomize_affine
+from helpers import count_exchanges, randomize_affine
 from modules import nn as NN
 from modules.parallel import ThreadedDataParallel
 
@@ -105,18 +104,6 @@ def test_single_device_training_takes_compiled_kernels() -> None:
     training = type(layer(x).grad_fn).__name__
     assert (training == "SyncBatchNormFunctionBackward") == ours, training
     assert type(layer.eval()(x).grad_fn).__name__ == "NativeBatchNormBackward0"
-
-
-def count_exchanges(monkeypatch: pytest.MonkeyPatch) -> list:
-    calls: list = []
-    original = ReplicaRound.exchange
-
-    def counting(self, key, *args, **kwargs):
-        calls.append(key)
-        return original(self, key, *args, **kwargs)
-
-    monkeypatch.setattr(ReplicaRound, "exchange", counting)
-    return calls
 
 
 def test_eval_with_running_stats_never_syncs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from functions import backend
 from helpers import randomize_affine, train_in_lockstep
 from modules import nn as NN
 from modules.parallel import ThreadedDataParallel
@@ -24,6 +25,15 @@ def conv_bn_2d(**bn_args) -> nn.Module:
 def test_2d_network_uneven_chunks(replicas: int, batch: int) -> None:
     # batch 10 on 4 replicas is 3,3,3,1; batch 2 on 3 or 4 replicas gives fewer chunks than devices
     train_in_lockstep(conv_bn_2d, (batch, 3, 5, 6), replicas)
+
+
+@pytest.mark.parametrize("bn_args", [dict(), dict(momentum=None), dict(affine=False, track_running_stats=False)], ids=str)
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_the_python_exchange_is_exact_too(monkeypatch: pytest.MonkeyPatch, bn_args: dict, replicas: int) -> None:
+    # the replicas meet natively where the compiled module is loaded (one call per layer and
+    # direction); the Python exchange serves with a process group and without the module
+    monkeypatch.setattr(backend, "NATIVE_ROUNDS", None)
+    train_in_lockstep(lambda: conv_bn_2d(**bn_args), (10, 3, 5, 6), replicas)
 
 
 @pytest.mark.parametrize(

@@ -47,31 +47,34 @@ def test_only_the_master_replica_of_a_process_takes_part_in_the_collectives() ->
     assert Synchronizer.for_call(master, None, processes, "layer", 3, CPU).process_call is None
 
 
-def test_replicas_get_the_statistics_and_sums_of_the_whole_batch() -> None:
+def test_the_master_does_every_replicas_part_and_each_gets_its_own() -> None:
+    syncs = [Synchronizer.for_call(h, None, ProcessGroupSync(), "layer", 3, CPU) for h in handles(3)]
+    seen: list = []
+
+    def work(parts: list) -> list:
+        seen.append(list(parts))
+        return [part * 10 for part in parts]
+
+    results = run_threads([lambda j=j: syncs[j].on_master("forward", j + 1, work) for j in range(3)])
+    assert results == [10, 20, 30]
+    assert seen == [[1, 2, 3]]  # once, on the master, in replica order
+    alone = Synchronizer.for_call(None, object(), ProcessGroupSync(), "layer", 3, CPU)
+    assert alone.on_master("forward", 7, work) == 70  # no other replica: here
+
+
+def test_the_merge_gives_the_statistics_of_the_whole_batch() -> None:
     x = torch.randn(7, 3, 4, dtype=torch.float64)
-    chunks = [x[:4], x[4:]]
-    syncs = [Synchronizer.for_call(h, None, ProcessGroupSync(), "layer", 3, CPU) for h in handles(2)]
-
-    def replica(j: int):
-        stats = syncs[j].global_stats(chunks[j], *ref.local_stats(chunks[j]), 1e-5)
-        sums = syncs[j].global_grad_sums(chunks[j].sum((0, 2)), chunks[j].square().sum((0, 2)))
-        return stats, sums
-
-    results = run_threads([lambda j=j: replica(j) for j in range(2)])
-    for j, ((count, mean, var, mean_acc, invstd), (sum_dy, sum_dy_xmu)) in enumerate(results):
-        assert count == 28
-        if j == 0:  # the master, which updates the running statistics, gets them in float64
-            torch.testing.assert_close(mean, x.mean((0, 2)))
-            torch.testing.assert_close(var, x.var((0, 2), correction=0))
-        else:
-            assert mean is None and var is None
-        # what every replica normalizes with, computed once by the master
-        torch.testing.assert_close(mean_acc, x.mean((0, 2)))
-        torch.testing.assert_close(invstd, torch.rsqrt(x.var((0, 2), correction=0) + 1e-5))
-        torch.testing.assert_close(sum_dy, x.sum((0, 2)))
-        torch.testing.assert_close(sum_dy_xmu, x.square().sum((0, 2)))
-    assert results[0][0][3] is results[1][0][3]  # one device: the same tensors, not copies
-    assert [s.is_master for s in syncs] == [True, False] and all(s.count == 28 for s in syncs)
+    parts = [stats.LocalStats(c.numel() // 3, *ref.local_stats(c), c.dtype, c.shape) for c in (x[:4], x[4:])]
+    sync = Synchronizer.for_call(handles(2)[0], None, ProcessGroupSync(), "layer", 3, CPU)
+    count, mean, var = sync.merge_stats(parts)
+    assert count == 28 and sync.count == 28
+    torch.testing.assert_close(mean, x.mean((0, 2)))
+    torch.testing.assert_close(var, x.var((0, 2), correction=0))
+    sums = sync.sum_over_ranks(x.sum((0, 2)), x.square().sum((0, 2)))  # no process group: as given
+    torch.testing.assert_close(sums[0], x.sum((0, 2)))
+    disagreeing = [parts[0], stats.LocalStats(4, parts[1].mean.float(), parts[1].m2.float(), torch.float32, x.shape)]
+    with pytest.raises(RuntimeError, match="layer: replicas disagree on their input"):
+        sync.merge_stats(disagreeing)
 
 
 def test_a_failure_before_the_collective_releases_the_round_and_tells_the_ranks(reported: list) -> None:
@@ -81,7 +84,7 @@ def test_a_failure_before_the_collective_releases_the_round_and_tells_the_ranks(
     sync.fail(ValueError("bad input"))
     x = torch.randn(4, 3, dtype=torch.float64)
     with pytest.raises(ReplicaSyncError, match="replica 0 failed: ValueError: bad input"):
-        waiting.global_stats(x, *ref.local_stats(x), 1e-5)
+        waiting.on_master("forward", x, lambda parts: parts)
     assert reported == [sync.process_call]
     sync.fail(RuntimeError("again"))  # one failed-flag row per call at most
     assert len(reported) == 1
@@ -90,7 +93,7 @@ def test_a_failure_before_the_collective_releases_the_round_and_tells_the_ranks(
 def test_no_report_once_the_collective_was_joined_nor_for_an_interrupt(reported: list) -> None:
     x = torch.randn(4, 3, dtype=torch.float64)
     joined = Synchronizer.for_call(None, object(), ProcessGroupSync(), "layer", 3, CPU)
-    joined.global_stats(x, *ref.local_stats(x), 1e-5)
+    joined.merge_stats([stats.LocalStats(4, *ref.local_stats(x), x.dtype, x.shape)])
     joined.fail(RuntimeError("in backward"))  # the other ranks are in the backward's all_reduce
     interrupted = Synchronizer.for_call(None, object(), ProcessGroupSync(), "layer", 3, CPU)
     interrupted.fail(KeyboardInterrupt())

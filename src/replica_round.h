@@ -1,0 +1,206 @@
+// Where the replicas of one layer meet inside one process, natively: the round of
+// functions/replicas.py (same keys, timeouts, errors and aborts) for the synchronized layer's
+// one-call path (src/replica_batch_norm.cpp). A replica posts its part of a call and waits without
+// the GIL; the master (index 0) runs the combine over every part once all have arrived and
+// publishes one result per part. Every wait has the round's timeout; a failure, a timeout or an
+// abort from Python breaks the round and wakes every waiter at once.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace syncbn {
+
+// The round was broken (a failure, a timeout, an abort): what a waiting replica raises, as
+// functions.ReplicaSyncError in Python.
+struct RoundBroken : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+class ReplicaRound {
+ public:
+  ReplicaRound(int64_t size, double timeout_s, std::string layer, int64_t number, double spin_us)
+      : size_(size), timeout_s_(timeout_s), spin_(std::chrono::duration<double, std::micro>(spin_us)),
+        layer_(std::move(layer)), number_(number) {}
+
+  int64_t size() const { return size_; }
+
+  // Break the round with `reason` ("replica 1 failed: ValueError: ..."), unless it is broken already.
+  void abort(const std::string& reason) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    break_round(reason);
+  }
+
+  // Post `part` under (`direction`, `call`) and return this replica's result: the master (index 0)
+  // runs `combine` over every part, in index order, outside the lock. Throws RoundBroken when the
+  // round is or gets broken or the wait times out; an exception from `combine` breaks the round
+  // for the others and reaches the master's caller as it is.
+  template <typename Part, typename Result>
+  Result exchange(const char* direction, int64_t call, int64_t index, Part part,
+                  const std::function<std::vector<Result>(std::vector<Part>&)>& combine) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout();
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto& slots = slots_of<Part, Result>();
+    auto& slot = slots[call];
+    if (slot.parts.empty()) slot.parts.resize(size_);
+    if (failure_) throw RoundBroken(where(direction, call, slot.arrived_at) + "; " + *failure_);
+    slot.parts[index] = std::move(part);
+    slot.arrived_at.push_back(index);
+    if (int64_t(slot.arrived_at.size()) == size_) signal(all_arrived_);
+    if (index == 0) {
+      wait(lock, all_arrived_, direction, call, slot, deadline, [&] { return int64_t(slot.arrived_at.size()) == size_; });
+      std::vector<Part> parts;
+      for (auto& p : slot.parts) parts.push_back(std::move(*p));
+      lock.unlock();
+      std::vector<Result> results;
+      try {
+        results = combine(parts);
+      } catch (const std::exception& error) {
+        abort("replica 0 failed: " + python_type_of(error) + ": " + error.what());
+        throw;
+      }
+      lock.lock();
+      if (failure_) throw RoundBroken(where(direction, call, slot.arrived_at) + "; " + *failure_);
+      slot.results = std::move(results);
+      signal(published_);
+    } else {
+      wait(lock, published_, direction, call, slot, deadline, [&] { return !slot.results.empty(); });
+    }
+    Result result = std::move(slot.results[index]);
+    if (++slot.taken == size_) slots.erase(call);
+    return result;
+  }
+
+  // The Python name of the exception type a C++ exception becomes (pybind11's translation).
+  static std::string python_type_of(const std::exception& error) {
+    if (dynamic_cast<const RoundBroken*>(&error)) return "ReplicaSyncError";
+    if (dynamic_cast<const std::invalid_argument*>(&error)) return "ValueError";
+    return "RuntimeError";
+  }
+
+ private:
+  template <typename Part, typename Result>
+  struct Slot {
+    std::vector<std::optional<Part>> parts;
+    std::vector<int64_t> arrived_at;  // indices, in arrival order
+    std::vector<Result> results;      // non-empty once the master published
+    int64_t taken = 0;
+  };
+  template <typename Part, typename Result>
+  using Slots = std::map<int64_t, Slot<Part, Result>>;
+
+  // One map of slots per (Part, Result) type: the forward's and the backward's exchanges.
+  template <typename Part, typename Result>
+  Slots<Part, Result>& slots_of() {
+    static const char key = 0;  // one per instantiation
+    auto& holder = typed_slots_[&key];
+    if (!holder) holder = std::shared_ptr<void>(new Slots<Part, Result>(), [](void* p) { delete static_cast<Slots<Part, Result>*>(p); });
+    return *static_cast<Slots<Part, Result>*>(holder.get());
+  }
+
+  std::chrono::steady_clock::duration timeout() const {
+    return std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout_s_));
+  }
+
+  void signal(std::condition_variable& condition) {
+    events_.fetch_add(1, std::memory_order_release);
+    condition.notify_all();
+  }
+
+  void break_round(const std::string& reason) {
+    if (!failure_) failure_ = reason;
+    events_.fetch_add(1, std::memory_order_release);
+    all_arrived_.notify_all();
+    published_.notify_all();
+  }
+
+  // Wait (the lock held) until ready(), a failure or the deadline. A short spin first, without the
+  // lock: on a VM, waking a thread whose vCPU went idle costs more than the other replica's post.
+  // Once every replica has arrived the master's combine decides, so the deadline is extended
+  // once: a replica must not give up on a result that the master is about to publish.
+  template <typename Part, typename Result, typename Ready>
+  void wait(std::unique_lock<std::mutex>& lock, std::condition_variable& condition, const char* direction,
+            int64_t call, Slot<Part, Result>& slot, std::chrono::steady_clock::time_point deadline, Ready ready) {
+    if (!ready() && !failure_ && spin_.count() > 0) {
+      const auto seen = events_.load(std::memory_order_acquire);
+      lock.unlock();
+      const auto until = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(spin_);
+      while (events_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until) {
+        std::this_thread::yield();
+      }
+      lock.lock();
+    }
+    bool extended = false;
+    while (!ready()) {
+      if (failure_) throw RoundBroken(where(direction, call, slot.arrived_at) + "; " + *failure_);
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline && !extended && int64_t(slot.arrived_at.size()) == size_) {
+        deadline += timeout();
+        extended = true;
+        continue;
+      }
+      if (now >= deadline) {
+        const auto message = timeout_message(direction, call, slot.arrived_at);
+        break_round("the round was broken: " + message);
+        throw RoundBroken(message);
+      }
+      condition.wait_until(lock, deadline);
+    }
+  }
+
+  std::string where(const char* direction, int64_t call, const std::vector<int64_t>& arrived_at) const {
+    std::vector<bool> arrived(size_, false);
+    for (auto i : arrived_at) arrived[i] = true;
+    std::ostringstream text;
+    text << layer_ << ", " << direction << " call " << call << " of replica round " << number_ << ": replicas "
+         << indices(arrived, true) << " of " << size_ << " arrived, " << indices(arrived, false) << " missing";
+    return text.str();
+  }
+
+  std::string timeout_message(const char* direction, int64_t call, const std::vector<int64_t>& arrived_at) const {
+    std::ostringstream text;
+    text << where(direction, call, arrived_at) << " after waiting " << timeout_s_
+         << "s. A replica raised before reaching this layer, skipped it in a data-dependent branch, or called it "
+            "a different number of times. The wait is set by timeout= or $SYNCBN_TIMEOUT.";
+    return text.str();
+  }
+
+  static std::string indices(const std::vector<bool>& arrived, bool which) {  // as Python prints a list
+    std::ostringstream text;
+    text << "[";
+    const char* separator = "";
+    for (size_t i = 0; i < arrived.size(); ++i) {
+      if (arrived[i] == which) {
+        text << separator << i;
+        separator = ", ";
+      }
+    }
+    text << "]";
+    return text.str();
+  }
+
+  const int64_t size_;
+  const double timeout_s_;
+  const std::chrono::duration<double, std::micro> spin_;
+  const std::string layer_;
+  const int64_t number_;
+  std::mutex mutex_;
+  std::condition_variable all_arrived_, published_;  // the master waits on one, the others on the other
+  std::atomic<uint64_t> events_{0};                  // posts that complete a set, publications, aborts
+  std::optional<std::string> failure_;
+  std::map<const void*, std::shared_ptr<void>> typed_slots_;
+};
+
+}  // namespace syncbn
