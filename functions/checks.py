@@ -48,13 +48,16 @@ DEFERRED_NOTE = (
     "raises at the layer itself)"
 )
 
-Explain = Callable[[list[float]], BaseException | None]
+Explain = Callable[[list], BaseException | None]
 """Turns a verdict read on the host into the error it stands for, or None where all is well."""
 
 
 def mode() -> str | None:
     """``$SYNCBN_CHECKS`` (``layer`` or ``step``), or None: by the tensors' device."""
-    value = os.environ.get(CHECKS_ENV, "").strip().lower()
+    value = os.environ.get(CHECKS_ENV)
+    if not value:  # the usual case, on every synchronized call: nothing more to do
+        return None
+    value = value.strip().lower()
     if value and value not in MODES:
         raise ValueError(f"{CHECKS_ENV} must be one of {MODES} (or unset), got {value!r}")
     return value or None
@@ -83,7 +86,7 @@ class _Deferred:
         return None if error is None else type(error)(f"{error}{DEFERRED_NOTE}")
 
 
-def _host_values(host: Tensor) -> list[float]:
+def _host_values(host: Tensor) -> list:
     """A verdict's values, read from host memory (never from a device)."""
     return host.tolist()
 
@@ -93,8 +96,8 @@ _lock = threading.Lock()
 _read_at_end_of: set[int] = set()  # graph tasks whose end reads the deferred verdicts
 
 
-def verify(verdict: Tensor, explain: Explain) -> list[float] | None:
-    """Check ``verdict`` (1-D, made on the collective's device): at once where
+def verify(verdict: Tensor, explain: Explain) -> list | None:
+    """Check ``verdict`` (made on the collective's device, read as a list): at once where
     :func:`reads_at_once` says so (raising ``explain``'s error, returning the values read), else
     deferred (returning None)."""
     if reads_at_once(verdict.device):

@@ -77,6 +77,8 @@ def host_values_on(values: Sequence[float], device: torch.device | str, dtype: t
     allocator keeps the pinned block until the copy has run)."""
     host = torch.tensor(list(values), dtype=dtype)
     device = torch.device(device)
+    if device.type == "cpu":
+        return host
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

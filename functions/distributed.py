@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import checks, devices, stats
+from .reference import in_dtype
 from .stats import LocalStats
 
 SHAPE_DIMS = 8  # input dims carried for error messages; further dims are dropped
@@ -103,9 +104,9 @@ def _stats_row(local: LocalStats, call: ProcessGroupCall, failed: bool) -> Tenso
         *([0] * (SHAPE_DIMS - len(shape))),
         local.count,
     ]
-    mean = local.mean.to(torch.float64)
+    mean = in_dtype(local.mean, torch.float64)
     head = devices.host_values_on(header, mean.device)  # pinned, non-blocking: no drain
-    return torch.cat([head, mean, local.m2.to(torch.float64)])
+    return torch.cat([head, mean, in_dtype(local.m2, torch.float64)])
 
 
 def _all_gather_rows(row: Tensor, group: Any) -> Tensor:
@@ -122,53 +123,51 @@ def _all_gather_rows(row: Tensor, group: Any) -> Tensor:
     return torch.stack(parts)
 
 
-_FORWARD_FLAGS = 4  # a rank failed, calls differ, dtypes differ, one value per channel
-
-
-def _forward_verdict(heads: Tensor, total: Tensor) -> tuple[Tensor, Tensor]:
+def _failed_on_device(heads: Tensor, total: Tensor) -> Tensor:
     """On the device, from the gathered headers ``(world, HEADER_SIZE)`` and their total count:
-    the verdict, one float64 row of the four flags, the total, then the headers themselves (for
-    the message); and whether any flag is raised."""
-    flags = torch.stack(
+    whether a check fails (what :func:`_explain_forward` explains, in tensor ops), so that a
+    deferred failure updates nothing."""
+    return torch.stack(
         [
             (heads[:, 2] != 0).any(),
             (heads[:, :2] != heads[:1, :2]).any(),
             (heads[:, 3] != heads[:1, 3]).any(),
             total == 1,
         ]
-    )
-    return torch.cat([flags.to(heads.dtype), total.unsqueeze(0), heads.flatten()]), flags.any()
+    ).any()
 
 
-def _explain_forward(call: ProcessGroupCall, values: list[float]) -> BaseException | None:
-    """The error that a forward verdict read on the host stands for (the same on every rank:
+def _explain_forward(call: ProcessGroupCall, heads: list[list[float]]) -> BaseException | None:
+    """The error that the gathered headers (read on the host) stand for (the same on every rank:
     they all hold the same rows), or None."""
-    failed, calls_differ, dtypes_differ, one_value = values[:_FORWARD_FLAGS]
-    if not (failed or calls_differ or dtypes_differ or one_value):
-        return None
-    flat = values[_FORWARD_FLAGS + 1 :]
-    heads = [[int(v) for v in flat[i : i + HEADER_SIZE]] for i in range(0, len(flat), HEADER_SIZE)]
-    if failed:
+    heads = [[int(v) for v in head] for head in heads]
+    if any(head[2] for head in heads):
         ranks = [rank for rank, head in enumerate(heads) if head[2]]
         return RuntimeError(
             f"{call.layer}: rank(s) {ranks} of the process group failed before this exchange "
             "(their own error says why)"
         )
-    if calls_differ:
+    if any(head[:2] != heads[0][:2] for head in heads):
         ids = [(head[0], head[1]) for head in heads]
         return RuntimeError(
             f"{call.layer}: ranks are at different synchronized calls (layer id, call number per "
             f"rank: {ids}); this rank is at call {call.number} of {call.layer}. Every rank must "
             "call each synchronized layer the same number of times, in the same order."
         )
-    if dtypes_differ:
+    if any(head[3] != heads[0][3] for head in heads):
         names = [str(_DTYPES[h[3]]) if 0 <= h[3] < len(_DTYPES) else "?" for h in heads]
         return RuntimeError(f"{call.layer}: ranks disagree on the input dtype: {names} (per rank)")
-    shapes = ", ".join(str(tuple(head[5 : 5 + min(head[4], SHAPE_DIMS)])) for head in heads)
-    return ValueError(
-        f"{call.layer}: Expected more than 1 value per channel when training, got input size "
-        f"{shapes} over {len(heads)} ranks"
-    )
+    if _total_count(heads) == 1:
+        shapes = ", ".join(str(tuple(head[5 : 5 + min(head[4], SHAPE_DIMS)])) for head in heads)
+        return ValueError(
+            f"{call.layer}: Expected more than 1 value per channel when training, got input size "
+            f"{shapes} over {len(heads)} ranks"
+        )
+    return None
+
+
+def _total_count(heads: list[list[float]]) -> int:
+    return int(sum(head[HEADER_SIZE - 1] for head in heads))
 
 
 def all_gather_stats(local: LocalStats, call: ProcessGroupCall) -> tuple[int | Tensor, int | Tensor, Tensor, Tensor]:
@@ -188,15 +187,17 @@ def all_gather_stats(local: LocalStats, call: ProcessGroupCall) -> tuple[int | T
     """
     rows = _all_gather_rows(_stats_row(local, call, failed=False), call.group)
     channels = local.mean.numel()
-    counts = rows[:, HEADER_SIZE - 1]
-    means, m2s = rows[:, HEADER_SIZE : HEADER_SIZE + channels], rows[:, HEADER_SIZE + channels :]
-    total, mean, var = stats.merge_on_device(counts, means, m2s)  # pure: nothing changes if a check raises
-    verdict, failed = _forward_verdict(rows[:, :HEADER_SIZE], total)
-    read = checks.verify(verdict, lambda values: _explain_forward(call, values))
+    heads, means, m2s = rows.split([HEADER_SIZE, channels, channels], dim=1)
+    counts = heads[:, -1]
+    # the headers are the verdict: read at once, they are checked before anything is merged
+    read = checks.verify(heads, lambda values: _explain_forward(call, values))
     if read is not None:
-        count = int(read[_FORWARD_FLAGS])
-        return count, count, mean, var
-    return total, torch.where(failed, torch.nan, total), mean, var
+        total = _total_count(read)
+        mean, var = stats.merge_rows(total, counts, means, m2s)
+        return total, total, mean, var
+    total_on_device, mean, var = stats.merge_on_device(counts, means, m2s)
+    failed = _failed_on_device(heads, total_on_device)
+    return total_on_device, torch.where(failed, torch.nan, total_on_device), mean, var
 
 
 def report_failure(call: ProcessGroupCall, channels: int, device: torch.device) -> None:
@@ -207,15 +208,12 @@ def report_failure(call: ProcessGroupCall, channels: int, device: torch.device) 
     _all_gather_rows(_stats_row(failed, call, failed=True), call.group)
 
 
-def _backward_verdict(identity_sums: Tensor, world: int) -> Tensor:
-    """On the device: whether the ranks' layer ids, and their call numbers, differ (from the
-    sums of each and of its square, Cauchy-Schwarz)."""
-    ids, id_squares, numbers, number_squares = identity_sums.unbind()
-    return torch.stack([world * id_squares != ids.square(), world * number_squares != numbers.square()]).to(identity_sums.dtype)
-
-
-def _explain_backward(call: ProcessGroupCall, values: list[float]) -> BaseException | None:
-    if not any(values):
+def _explain_backward(call: ProcessGroupCall, world: int, identity_sums: list[float]) -> BaseException | None:
+    """The error that the summed identities ``[id, id^2, n, n^2]`` (read on the host) stand for:
+    the ranks' layer ids, or their call numbers, differ iff world * sum(v^2) != sum(v)^2
+    (Cauchy-Schwarz; exact in float64 below 2**20), or None."""
+    ids, id_squares, numbers, number_squares = identity_sums
+    if world * id_squares == ids**2 and world * number_squares == numbers**2:
         return None
     return RuntimeError(
         f"{call.layer}: ranks are at the backward of different synchronized calls (this rank: "
@@ -229,11 +227,11 @@ def all_reduce_sums(local: Tensor, call: ProcessGroupCall) -> Tensor:
     rank when the ranks are at the backward of different calls."""
     layer_id, number = float(call.layer_id), float(call.number % LAYER_ID_RANGE)
     identity = devices.host_values_on([layer_id, layer_id**2, number, number**2], local.device)
-    row = torch.cat([local.to(torch.float64), identity])
+    row = torch.cat([in_dtype(local, torch.float64), identity])
     dist.all_reduce(row, group=call.group)
-    verdict = _backward_verdict(row[-4:], dist.get_world_size(call.group))
-    checks.verify(verdict, lambda values: _explain_backward(call, values))
-    return row[:-4].to(local.dtype)
+    world = dist.get_world_size(call.group)
+    checks.verify(row[-4:], lambda values: _explain_backward(call, world, values))
+    return in_dtype(row[:-4], local.dtype)
 
 
 def consecutive_rank_groups(group_size: int, timeout: timedelta | None = None) -> Any:

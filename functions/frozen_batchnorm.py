@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.autograd.function import Function
 
 from . import reference
-from .ops import affine_act_grads
+from .ops import OVERLOADS, affine_act_grads
 from .reference import accumulation_dtype, memory_format_of
 from .sync_batchnorm import apply_function, differentiable_backward
 
@@ -48,7 +48,7 @@ class FrozenBatchNormFunction(Function):
         acc = accumulation_dtype(x.dtype)
         mean = running_mean.to(acc, copy=True)
         invstd = torch.rsqrt(running_var.to(acc) + eps)
-        return torch.ops.syncbn.elemt_forward(x, mean, invstd, weight, bias, residual, negative_slope), mean, invstd
+        return OVERLOADS.elemt_forward(x, mean, invstd, weight, bias, residual, negative_slope), mean, invstd
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor, Tensor]) -> None:
@@ -71,7 +71,7 @@ class FrozenBatchNormFunction(Function):
         wants_residual = wants_residual and residual is not None
         flags = (wants_input, wants_residual and ctx.negative_slope is not None, wants_weight or wants_bias)
         dx, dz, sum_g, sum_g_xmu = affine_act_grads(
-            torch.ops.syncbn.backward_affine_act(
+            OVERLOADS.backward_affine_act(
                 dy, x, mean, invstd, weight, bias, residual, ctx.negative_slope, *flags
             ),
             *flags,

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from . import devices
+from .ops import OVERLOADS
 
 
 @dataclass(frozen=True)
@@ -50,30 +51,35 @@ def merge(parts: list[LocalStats]) -> tuple[int, Tensor, Tensor]:
     ``merge_stats`` operator); count 0 gives mean 0 and variance 1."""
     first = parts[0]
     total = sum(part.count for part in parts)
-    if total == 0:
-        return 0, torch.zeros_like(first.mean), torch.ones_like(first.mean)
-    if len(parts) == 1:
+    if len(parts) == 1 and total > 0:
         return total, first.mean, first.m2 / total
     counts = devices.host_values_on([part.count for part in parts], first.mean.device, first.mean.dtype)
-    means = torch.stack([part.mean for part in parts])
-    m2s = torch.stack([part.m2 for part in parts])
-    mean, var = torch.ops.syncbn.merge_stats(counts, means, m2s)
-    return total, mean, var
+    return total, *merge_rows(total, counts, torch.stack([part.mean for part in parts]), torch.stack([part.m2 for part in parts]))
+
+
+def merge_rows(total: int, counts: Tensor, means: Tensor, m2s: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean and biased variance of the union of ``(R,)`` counts (``total`` in all, known on the
+    host) and ``(R, C)`` means and M2s, with Chan's formula (the ``merge_stats`` operator); an
+    all-empty union gives mean 0 and variance 1."""
+    if total == 0:
+        return torch.zeros_like(means[0]), torch.ones_like(means[0])
+    return OVERLOADS.merge_stats(counts, means, m2s)
 
 
 def merge_on_device(counts: Tensor, means: Tensor, m2s: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`merge` of ``(R,)`` counts and ``(R, C)`` means and M2s held in device tensors,
-    with no host read: the total count (0-dim), mean and biased variance; an all-empty union
-    gives mean 0 and variance 1, as :func:`merge`."""
+    """:func:`merge_rows` with the total not known on the host: the total count (0-dim), mean and
+    biased variance, with no host read."""
     total = counts.sum()
     empty = total == 0
     # all empty: any positive weights give mean 0 and M2 0 (the parts' are 0), then var := 1
-    mean, var = torch.ops.syncbn.merge_stats(torch.where(empty, 1.0, counts), means, m2s)
+    mean, var = OVERLOADS.merge_stats(torch.where(empty, 1.0, counts), means, m2s)
     return total, mean, torch.where(empty, 1.0, var)
 
 
 def merge_into_one(parts: list[LocalStats]) -> LocalStats:
     """The parts as one contribution (what a process sends to the other ranks)."""
+    if len(parts) == 1:
+        return parts[0]
     count, mean, var = merge(parts)
     first = parts[0]
     shape = torch.Size([sum(part.input_shape[0] for part in parts), *first.input_shape[1:]])

@@ -29,9 +29,10 @@ from torch.autograd.function import Function
 from torch.nn import functional as F
 
 from . import backend, checks, devices, reference  # noqa: F401  (backend: registers the kernels)
+from .ops import OVERLOADS
 from .reference import in_dtype, memory_format_of, values_per_channel
-from .stats import LocalStats, check_values_per_channel
 from .replicas import ReplicaCall, ReplicaSyncError
+from .stats import LocalStats, check_values_per_channel
 from .synchronization import Synchronizer
 
 
@@ -70,7 +71,7 @@ class SyncBatchNormFunction(Function):
         x = input.contiguous(memory_format=memory_format_of(input))
         if sync is None:
             check_values_per_channel(values_per_channel(x), layer, [x.shape])
-            return torch.ops.syncbn.batch_norm_train(
+            return OVERLOADS.batch_norm_train(
                 x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, residual, negative_slope
             )
         part = _ForwardPart(x, weight, bias, residual, sync.stream_for(x.device))
@@ -163,12 +164,12 @@ def _forward_every_replica(
     local = []
     for part in parts:
         with devices.on_stream(part.stream):
-            mean, m2 = torch.ops.syncbn.local_stats(part.x)
+            mean, m2 = OVERLOADS.local_stats(part.x)
             ready = None if part.stream is None else devices.mark_ready(m2)
         local.append(LocalStats(values_per_channel(part.x), mean, m2, part.x.dtype, part.x.shape, ready))
     count, mean, var = sync.merge_stats(local)
     # a count still on the device (deferred checks): the update in device ops, no host read
-    update = reference.update_running_stats if isinstance(count, Tensor) else torch.ops.syncbn.update_running_stats
+    update = reference.update_running_stats if isinstance(count, Tensor) else OVERLOADS.update_running_stats
     update(*running[:3], running[3], mean, var, count)
     mean_acc, invstd = reference.normalization(mean, var, eps, reference.accumulation_dtype(parts[0].x.dtype))
     ready = devices.mark_ready(invstd)
@@ -176,7 +177,7 @@ def _forward_every_replica(
     for part in parts:
         with devices.on_stream(part.stream):
             part_mean, part_invstd = devices.fetch(mean_acc, part.x.device, ready), devices.fetch(invstd, part.x.device, ready)
-            y = torch.ops.syncbn.elemt_forward(part.x, part_mean, part_invstd, part.weight, part.bias, part.residual, negative_slope)
+            y = OVERLOADS.elemt_forward(part.x, part_mean, part_invstd, part.weight, part.bias, part.residual, negative_slope)
         results.append((y, part_mean, part_invstd))
     return results
 
@@ -194,9 +195,9 @@ def _backward_every_replica(
         with devices.on_stream(part.stream):
             if negative_slope is None:
                 dy = part.dy
-                sum_dy, sum_dy_xmu = torch.ops.syncbn.backward_reduce(dy, part.x, part.mean)
+                sum_dy, sum_dy_xmu = OVERLOADS.backward_reduce(dy, part.x, part.mean)
             else:  # dy through the activation, and its sums, in one pass
-                _, dy, sum_dy, sum_dy_xmu = torch.ops.syncbn.backward_affine_act(
+                _, dy, sum_dy, sum_dy_xmu = OVERLOADS.backward_affine_act(
                     part.dy, part.x, part.mean, part.invstd, part.weight, part.bias, part.residual, negative_slope,
                     input_grad=False, residual_grad=True, sums=True,
                 )
@@ -213,7 +214,7 @@ def _backward_every_replica(
                 total_dy, total_dy_xmu, part_count, ready = totals
                 total_dy = devices.fetch(total_dy, part.x.device, ready)
                 total_dy_xmu = devices.fetch(total_dy_xmu, part.x.device, ready)
-                grad_input = torch.ops.syncbn.backward_elemt(
+                grad_input = OVERLOADS.backward_elemt(
                     dy, part.x, part.mean, part.invstd, part.weight, total_dy, total_dy_xmu, part_count
                 )
             grad_weight = in_dtype(sum_dy_xmu * part.invstd, part.weight.dtype) if wants_weight else None  # type: ignore[union-attr]
