@@ -5,7 +5,11 @@ backward (the input requires grad, as inside a network) of a tiny (8, 8, 4, 4) f
 
 - threads: ``ThreadedDataParallel(["cpu"] * R)`` over our ``SyncBatchNorm2d`` against
   ``nn.BatchNorm2d`` (unsynced) in the same wrapper, R = 2, 4, 8; ``torch.utils.benchmark``
-  ``blocked_autorange``, the contenders taken in turn over rounds, medians;
+  ``blocked_autorange``, the contenders taken in turn over rounds, medians; our replicas meet
+  natively (one call per layer and direction, the default with the compiled module) and through
+  the Python exchange (what serves with a process group, or without the compiled module);
+- a small ResNet (stem + 8 basic blocks: 17 batch norms, residual adds; batch 16x3x16x16), one
+  training step (forward, loss, backward) under 4 thread replicas, converted against unsynced;
 - processes: R Gloo ranks on loopback (one intra-op thread each) under DDP, ours against
   ``nn.BatchNorm2d``, and the two collectives of a layer alone (an all_gather of a 14 + 2C row,
   an all_reduce of 2C + 4 values, float64) in the same processes; every rank runs the same fixed
@@ -32,9 +36,11 @@ from torch.utils import benchmark
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from bench_cpu import cpu_model, publish  # noqa: E402
-from functions import checks  # noqa: E402
+from functions import backend, checks  # noqa: E402
 from functions.replicas import ReplicaRound  # noqa: E402
+from helpers import BasicBlock  # noqa: E402
 from modules import nn as NN  # noqa: E402
 from modules.parallel import ThreadedDataParallel  # noqa: E402
 from testkit.local_group import run_local_group  # noqa: E402
@@ -57,21 +63,57 @@ def per_layer(deep: float, shallow: float) -> float:
     return (deep - shallow) / (DEEP - 1)
 
 
-def threads_row(replicas: int, min_run_time: float, rounds: int) -> tuple[float, float]:
-    """Per-layer seconds of ours and of torch's unsynced layer under R thread replicas."""
-    timers = {
-        (kind, depth): step_of(ThreadedDataParallel(stack(layer, depth), ["cpu"] * replicas), SHAPE[0])
-        for kind, layer in (("ours", NN.SyncBatchNorm2d), ("torch", nn.BatchNorm2d))
-        for depth in (1, DEEP)
-    }
+def interleaved(timers: dict, min_run_time: float, rounds: int) -> dict:
+    """Median seconds of each timer, the timers taken in turn over ``rounds``."""
     samples: dict = {key: [] for key in timers}
     for timer in timers.values():
         timer.timeit(3)  # workers started, caches warm
     for _ in range(rounds):
         for key, timer in timers.items():
             samples[key].append(timer.blocked_autorange(min_run_time=min_run_time).median)
-    t = {key: median(values) for key, values in samples.items()}
+    return {key: median(values) for key, values in samples.items()}
+
+
+def threads_row(replicas: int, min_run_time: float, rounds: int, native: bool) -> tuple[float, float]:
+    """Per-layer seconds of ours and of torch's unsynced layer under R thread replicas; ours
+    meeting natively or through the Python exchange."""
+    timers = {
+        (kind, depth): step_of(ThreadedDataParallel(stack(layer, depth), ["cpu"] * replicas), SHAPE[0])
+        for kind, layer in (("ours", NN.SyncBatchNorm2d), ("torch", nn.BatchNorm2d))
+        for depth in (1, DEEP)
+    }
+    kept = backend.NATIVE_ROUNDS
+    backend.NATIVE_ROUNDS = kept if native else None
+    try:
+        t = interleaved(timers, min_run_time, rounds)
+    finally:
+        backend.NATIVE_ROUNDS = kept
     return per_layer(t["ours", DEEP], t["ours", 1]), per_layer(t["torch", DEEP], t["torch", 1])
+
+
+def small_resnet(channels: int = 16, blocks: int = 8) -> nn.Module:
+    """A stem conv + BN + ReLU, ``blocks`` basic blocks (residual adds), pooled linear head:
+    1 + 2 * blocks batch norms."""
+    return nn.Sequential(
+        nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(),
+        *[BasicBlock(channels) for _ in range(blocks)],
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10),
+    )
+
+
+def resnet_row(replicas: int, min_run_time: float, rounds: int) -> tuple[float, float]:
+    """Seconds of one training step of the small ResNet under R thread replicas: converted
+    (ours, meeting natively), unsynced."""
+    torch.manual_seed(0)
+    theirs = small_resnet()
+    ours = NN.convert_sync_batchnorm(small_resnet())
+    x = torch.randn(16, 3, 16, 16)
+    timers = {
+        name: benchmark.Timer("runner(x).square().mean().backward()", globals=dict(runner=ThreadedDataParallel(model, ["cpu"] * replicas), x=x))
+        for name, model in (("ours", ours), ("torch", theirs))
+    }
+    t = interleaved(timers, min_run_time, rounds)
+    return t["ours"], t["torch"]
 
 
 def bare_exchange(replicas: int, exchanges: int = 2000) -> float:
@@ -169,9 +211,12 @@ def main() -> None:
         "|---|---|---|---|",
     ]
     for replicas in replica_counts:
-        ours, theirs = threads_row(replicas, min_run_time, rounds)
-        lines.append(f"| ThreadedDataParallel, {replicas} CPU replicas | {us(ours)} | {us(theirs)} | {us(ours - theirs)} |")
-        print(lines[-1], flush=True)
+        for native, how in ((True, "native meeting"), (False, "Python exchange")):
+            ours, theirs = threads_row(replicas, min_run_time, rounds, native)
+            lines.append(
+                f"| ThreadedDataParallel, {replicas} CPU replicas, {how} | {us(ours)} | {us(theirs)} | {us(ours - theirs)} |"
+            )
+            print(lines[-1], flush=True)
     for world in worlds:
         results = run_local_group(ranks_row, world, 20 if args.quick else 40, 5, timeout_s=300)
         slowest = {key: max(r[key] for r in results) for key in results[0]}
@@ -183,7 +228,14 @@ def main() -> None:
                 f"our own part {us(own)} |"
             )
             print(lines[-1], flush=True)
-    lines += ["", "The bare exchange (`ReplicaRound.exchange`, R threads, a combine that sums ints), per exchange:", ""]
+    ours, theirs = resnet_row(4, min_run_time * 4, rounds)
+    lines += [
+        "",
+        f"A small ResNet (17 batch norms, residual adds; batch 16x3x16x16), one training step under 4 thread "
+        f"replicas: converted {ours * 1e3:.1f} ms, unsynced {theirs * 1e3:.1f} ms, {ours / theirs:.2f}x.",
+    ]
+    print(lines[-1], flush=True)
+    lines += ["", "The bare Python exchange (`ReplicaRound.exchange`, R threads, a combine that sums ints), per exchange:", ""]
     lines.append(" ".join(f"{r} threads: {us(bare_exchange(r))} us;" for r in replica_counts).rstrip(";"))
     lines.append(END)
     section = "\n".join(lines)

@@ -1,24 +1,25 @@
 // The synchronized layer's one-call path for the replicas of one process (DataParallel threads,
-// no process group): replica_batch_norm posts this replica's part of the call to its
-// ReplicaRound (src/replica_round.h) and waits without the GIL; the master does the forward of
-// every replica (local statistics, merge, running statistics, y), and its backward node the
-// backward of every replica. The math is functions/sync_batchnorm.py's (_forward_every_replica,
-// _backward_every_replica), over the same torch.ops.syncbn operators, called through the
-// dispatcher (so a part on a GPU takes the CUDA kernels); functions/replicas.py says when this
-// path serves. Device-generic: each part runs on the stream its replica runs on, and what crosses
-// devices is fenced by an event and kept alive for the copying stream (record_stream), as
-// functions/devices.py does.
+// no process group), all without the GIL: replica_batch_norm computes this replica's statistics,
+// posts them to its ReplicaRound (src/replica_round.h) and waits; the master merges every
+// replica's (and updates the running statistics) and publishes mean and invstd; each replica then
+// normalizes its own input. Its backward node does the same with the (sum_dy, sum_dy_xmu) sums.
+// Each replica's kernels run in its own thread, on its own stream, in parallel; only the merge is
+// the master's. The math is functions/sync_batchnorm.py's (the Python path, which serves with a
+// process group or without this module; there the master does every replica's work, since a
+// Python thread pays for each call into torch with a turn of the GIL), over the same
+// torch.ops.syncbn operators, called through the dispatcher (a part on a GPU takes the CUDA
+// kernels). Device-generic: what crosses devices is fenced by an event and kept alive for the
+// copying stream (record_stream), as functions/devices.py does.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/Event.h>
-#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/accumulate.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/extension.h>
 
-#include <array>
 #include <type_traits>
 #include <memory>
 
@@ -103,7 +104,6 @@ at::MemoryFormat memory_format_of(const at::Tensor& x) {  // functions.reference
   return at::MemoryFormat::Contiguous;
 }
 
-int64_t values_per_channel(const at::Tensor& x) { return x.size(1) ? x.numel() / x.size(1) : 0; }
 
 std::string python_dtype(at::ScalarType dtype) {
   switch (dtype) {
@@ -123,47 +123,50 @@ std::string python_tuple(at::IntArrayRef sizes) {
   return text.str();
 }
 
-// ---- the forward of every replica, on the master ----
+// ---- what crosses replicas: the forward's statistics, the backward's sums ----
 
-struct ForwardPart {
-  at::Tensor x;
-  OptTensor weight, bias, residual;
-  OptStream stream;
+// One replica's statistics of its input, after the work that made them.
+struct StatsPart {
+  at::Tensor mean, m2;  // (C,) float64 on the replica's device
+  Ready ready;
+  at::ScalarType dtype;
+  std::vector<int64_t> sizes;
 };
 
-struct ForwardResult {
-  at::Tensor y, mean, invstd;
+// What every replica normalizes with, on the master's device, after the work that made it.
+struct Normalization {
+  at::Tensor mean, invstd;  // (C,) in the accumulation dtype
+  Ready ready;
   int64_t count;  // values per channel over every replica, for the backward
 };
 
 // The master's own arguments of the call.
-struct ForwardCall {
+struct MasterCall {
   OptTensor running_mean, running_var, num_batches_tracked;
   std::optional<double> momentum;
   double eps;
-  std::optional<double> negative_slope;
   std::string layer;
 };
 
-void check_parts_agree(const std::vector<ForwardPart>& parts, const std::string& layer) {
-  const auto& first = parts[0].x;
+void check_parts_agree(const std::vector<StatsPart>& parts, const std::string& layer) {
+  const auto& first = parts[0];
   for (size_t i = 0; i < parts.size(); ++i) {
-    const auto& x = parts[i].x;
-    if (x.size(1) != first.size(1) || x.scalar_type() != first.scalar_type()) {
+    const auto& part = parts[i];
+    if (part.mean.numel() != first.mean.numel() || part.dtype != first.dtype) {
       std::ostringstream text;
-      text << layer << ": replicas disagree on their input: replica 0 has " << first.size(1) << " channels of "
-           << python_dtype(first.scalar_type()) << ", replica " << i << " has " << x.size(1) << " channels of "
-           << python_dtype(x.scalar_type());
+      text << layer << ": replicas disagree on their input: replica 0 has " << first.mean.numel() << " channels of "
+           << python_dtype(first.dtype) << ", replica " << i << " has " << part.mean.numel() << " channels of "
+           << python_dtype(part.dtype);
       throw std::runtime_error(text.str());
     }
   }
 }
 
-void check_values_per_channel(const std::vector<ForwardPart>& parts, int64_t total, const std::string& layer) {
+void check_values_per_channel(const std::vector<StatsPart>& parts, int64_t total, const std::string& layer) {
   if (total != 1) return;
   std::ostringstream text;
   text << layer << ": Expected more than 1 value per channel when training, got input size ";
-  for (size_t i = 0; i < parts.size(); ++i) text << (i ? ", " : "") << python_tuple(parts[i].x.sizes());
+  for (size_t i = 0; i < parts.size(); ++i) text << (i ? ", " : "") << python_tuple(parts[i].sizes);
   text << " over " << parts.size() << " replicas";
   throw std::invalid_argument(text.str());
 }
@@ -176,112 +179,57 @@ at::Tensor host_values_on(const std::vector<double>& values, const at::Device& d
   return device.is_cpu() ? host : host.to(device, /*non_blocking=*/true);
 }
 
-std::vector<ForwardResult> forward_every_replica(std::vector<ForwardPart>& parts, const ForwardCall& call) {
+// On the master: the replicas' statistics merged (Chan's formula, in replica order), the running
+// statistics updated once, and mean and invstd as the elementwise kernels take them.
+Normalization merge_replicas(std::vector<StatsPart>& parts, const MasterCall& call) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   check_parts_agree(parts, call.layer);
-  const auto device = parts[0].x.device();
+  const auto device = parts[0].mean.device();
   std::vector<at::Tensor> means, m2s;
   std::vector<double> counts;
   int64_t total = 0;
   for (auto& part : parts) {
-    at::Tensor mean, m2;
-    Ready ready;
-    {
-      c10::OptionalStreamGuard on_its_stream(part.stream);
-      std::tie(mean, m2) = ops().local_stats.call(part.x);
-      ready = mark_ready(part.stream);
-    }
-    means.push_back(fetch(mean, device, ready));
-    m2s.push_back(fetch(m2, device, ready));
-    counts.push_back(double(values_per_channel(part.x)));
-    total += values_per_channel(part.x);
+    const int64_t count = part.sizes[1] ? c10::multiply_integers(part.sizes) / part.sizes[1] : 0;
+    means.push_back(fetch(part.mean, device, part.ready));
+    m2s.push_back(fetch(part.m2, device, part.ready));
+    counts.push_back(double(count));
+    total += count;
   }
   check_values_per_channel(parts, total, call.layer);
   at::Tensor mean, var;
   if (total == 0) {
     mean = at::zeros_like(means[0]);
     var = at::ones_like(means[0]);
-  } else if (parts.size() == 1) {
-    mean = means[0];
-    var = m2s[0] / double(total);
   } else {
     std::tie(mean, var) = ops().merge_stats.call(host_values_on(counts, device), at::stack(means), at::stack(m2s));
   }
   update_running_stats(call.running_mean, call.running_var, call.num_batches_tracked, call.momentum, mean, var, total);
-  const auto acc = parts[0].x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const auto mean_acc = mean.to(acc), invstd = (var + call.eps).rsqrt().to(acc);
-  const auto ready = mark_ready(current_stream(device));
-  std::vector<ForwardResult> results;
-  for (auto& part : parts) {
-    c10::OptionalStreamGuard on_its_stream(part.stream);
-    const auto part_mean = fetch(mean_acc, part.x.device(), ready), part_invstd = fetch(invstd, part.x.device(), ready);
-    auto y = ops().elemt_forward.call(part.x, part_mean, part_invstd, part.weight, part.bias, part.residual,
-                                      call.negative_slope);
-    results.push_back({std::move(y), part_mean, part_invstd, total});
-  }
-  return results;
+  const auto acc = parts[0].dtype == at::kDouble ? at::kDouble : at::kFloat;
+  return {mean.to(acc), (var + call.eps).rsqrt().to(acc), mark_ready(current_stream(device)), total};
 }
 
-// ---- the backward of every replica, on the master ----
-
-struct BackwardPart {
-  at::Tensor dy, x, mean, invstd;
-  OptTensor weight, bias, residual;
-  std::array<bool, 4> wants;  // the gradients of input, weight, bias, residual
-  OptStream stream;
+// One replica's (sum_dy, sum_dy_xmu), after the work that made them.
+struct SumsPart {
+  at::Tensor sum_dy, sum_dy_xmu;
+  Ready ready;
 };
 
-using BackwardResult = std::array<at::Tensor, 4>;  // undefined where not wanted
+struct Sums {
+  at::Tensor sum_dy, sum_dy_xmu;  // on the master's device
+  Ready ready;
+};
 
-std::vector<BackwardResult> backward_every_replica(std::vector<BackwardPart>& parts, int64_t count,
-                                                   std::optional<double> negative_slope) {
+// On the master: the replicas' sums, summed in replica order.
+Sums sum_replicas(std::vector<SumsPart>& parts) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  std::vector<at::Tensor> dys, sums_dy, sums_dy_xmu;
-  std::vector<Ready> readies;
+  const auto device = parts[0].sum_dy.device();
+  std::vector<at::Tensor> sums_dy, sums_dy_xmu;
   for (auto& part : parts) {
-    c10::OptionalStreamGuard on_its_stream(part.stream);
-    at::Tensor dy = part.dy, sum_dy, sum_dy_xmu;
-    if (!negative_slope) {
-      std::tie(sum_dy, sum_dy_xmu) = ops().backward_reduce.call(dy, part.x, part.mean);
-    } else {  // dy through the activation, and its sums, in one pass
-      std::tie(std::ignore, dy, sum_dy, sum_dy_xmu) = ops().backward_affine_act.call(
-          part.dy, part.x, part.mean, part.invstd, part.weight, part.bias, part.residual, negative_slope,
-          /*input_grad=*/false, /*residual_grad=*/true, /*sums=*/true);
-    }
-    dys.push_back(dy);
-    sums_dy.push_back(sum_dy);
-    sums_dy_xmu.push_back(sum_dy_xmu);
-    readies.push_back(mark_ready(part.stream));
+    sums_dy.push_back(fetch(part.sum_dy, device, part.ready));
+    sums_dy_xmu.push_back(fetch(part.sum_dy_xmu, device, part.ready));
   }
-  at::Tensor total_dy, total_dy_xmu;
-  Ready total_ready;
-  if (std::any_of(parts.begin(), parts.end(), [](const BackwardPart& part) { return part.wants[0]; })) {
-    const auto device = sums_dy[0].device();
-    std::vector<at::Tensor> on_device_dy, on_device_dy_xmu;
-    for (size_t i = 0; i < parts.size(); ++i) {
-      on_device_dy.push_back(fetch(sums_dy[i], device, readies[i]));
-      on_device_dy_xmu.push_back(fetch(sums_dy_xmu[i], device, readies[i]));
-    }
-    total_dy = parts.size() == 1 ? on_device_dy[0] : at::stack(on_device_dy).sum(0);
-    total_dy_xmu = parts.size() == 1 ? on_device_dy_xmu[0] : at::stack(on_device_dy_xmu).sum(0);
-    total_ready = mark_ready(current_stream(device));
-  }
-  std::vector<BackwardResult> results;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    auto& part = parts[i];
-    c10::OptionalStreamGuard on_its_stream(part.stream);
-    BackwardResult grads;
-    if (part.wants[0]) {
-      grads[0] = ops().backward_elemt.call(dys[i], part.x, part.mean, part.invstd, part.weight,
-                                           fetch(total_dy, part.x.device(), total_ready),
-                                           fetch(total_dy_xmu, part.x.device(), total_ready), c10::SymInt(count));
-    }
-    if (part.wants[1]) grads[1] = (sums_dy_xmu[i] * part.invstd).to(part.weight->scalar_type());
-    if (part.wants[2]) grads[2] = sums_dy[i].to(part.bias->scalar_type());
-    if (part.wants[3]) grads[3] = dys[i];
-    results.push_back(std::move(grads));
-  }
-  return results;
+  if (parts.size() == 1) return {sums_dy[0], sums_dy_xmu[0], mark_ready(current_stream(device))};
+  return {at::stack(sums_dy).sum(0), at::stack(sums_dy_xmu).sum(0), mark_ready(current_stream(device))};
 }
 
 // ---- errors as Python sees them ----
@@ -342,25 +290,36 @@ struct ReplicaBatchNormBackward : public torch::autograd::Node {
     TORCH_CHECK(!at::GradMode::is_enabled(), layer,
                 ": double backward (create_graph=True) through a layer synchronized across replicas or processes "
                 "is not supported; it is on one device in one process");
-    const auto input = x.unpack();
-    const auto dy = (grads[0].defined() ? grads[0] : at::zeros_like(input)).contiguous(memory_format_of(input));
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const auto input = x.unpack(), mean_ = mean.unpack(), invstd_ = invstd.unpack();
     const auto weight_ = weight.unpack(), bias_ = bias.unpack(), residual_ = residual.unpack();
     const auto optional = [](const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; };
-    BackwardPart part{dy,
-                      input,
-                      mean.unpack(),
-                      invstd.unpack(),
-                      optional(weight_),
-                      optional(bias_),
-                      optional(residual_),
-                      {task_should_compute_output(0), weight_.defined() && task_should_compute_output(1),
-                       bias_.defined() && task_should_compute_output(2),
-                       residual_.defined() && task_should_compute_output(3)},
-                      current_stream(input.device())};
-    const std::function<std::vector<BackwardResult>(std::vector<BackwardPart>&)> combine =
-        [this](std::vector<BackwardPart>& parts) { return backward_every_replica(parts, count, negative_slope); };
-    const auto result = round->exchange<BackwardPart, BackwardResult>("backward", call, index, std::move(part), combine);
-    return {result[0], result[1], result[2], result[3]};
+    auto dy = (grads[0].defined() ? grads[0] : at::zeros_like(input)).contiguous(memory_format_of(input));
+    at::Tensor sum_dy, sum_dy_xmu;
+    if (!negative_slope) {
+      std::tie(sum_dy, sum_dy_xmu) = ops().backward_reduce.call(dy, input, mean_);
+    } else {  // dy through the activation (z's gradient too), and its sums, in one pass
+      std::tie(std::ignore, dy, sum_dy, sum_dy_xmu) = ops().backward_affine_act.call(
+          dy, input, mean_, invstd_, optional(weight_), optional(bias_), optional(residual_), negative_slope,
+          /*input_grad=*/false, /*residual_grad=*/true, /*sums=*/true);
+    }
+    // every replica meets, whichever gradients it wants: the others wait for its sums
+    const std::function<std::vector<Sums>(std::vector<SumsPart>&)> combine = [](std::vector<SumsPart>& parts) {
+      return std::vector<Sums>(parts.size(), sum_replicas(parts));
+    };
+    const auto ready = mark_ready(current_stream(input.device()));
+    const auto totals =
+        round->exchange<SumsPart, Sums>("backward", call, index, SumsPart{sum_dy, sum_dy_xmu, ready}, combine);
+    torch::autograd::variable_list result(4);
+    if (task_should_compute_output(0)) {
+      result[0] = ops().backward_elemt.call(dy, input, mean_, invstd_, optional(weight_),
+                                            fetch(totals.sum_dy, input.device(), totals.ready),
+                                            fetch(totals.sum_dy_xmu, input.device(), totals.ready), c10::SymInt(count));
+    }
+    if (weight_.defined() && task_should_compute_output(1)) result[1] = (sum_dy_xmu * invstd_).to(weight_.scalar_type());
+    if (bias_.defined() && task_should_compute_output(2)) result[2] = sum_dy.to(bias_.scalar_type());
+    if (residual_.defined() && task_should_compute_output(3)) result[3] = dy;
+    return result;
   }
 };
 
@@ -387,12 +346,22 @@ at::Tensor replica_batch_norm(const std::shared_ptr<ReplicaRound>& round, int64_
                               const OptTensor& residual, std::optional<double> negative_slope,
                               const std::string& layer) {
   return as_replica(*round, index, [&] {
-    const auto x = input.contiguous(memory_format_of(input));
-    ForwardPart part{x, weight, bias, residual, current_stream(x.device())};
-    const ForwardCall master_call{running_mean, running_var, num_batches_tracked, momentum, eps, negative_slope, layer};
-    const std::function<std::vector<ForwardResult>(std::vector<ForwardPart>&)> combine =
-        [&master_call](std::vector<ForwardPart>& parts) { return forward_every_replica(parts, master_call); };
-    auto result = round->exchange<ForwardPart, ForwardResult>("forward", call, index, std::move(part), combine);
+    at::Tensor x = input.contiguous(memory_format_of(input)), y;
+    Normalization normalization;
+    {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      const auto [mean, m2] = ops().local_stats.call(x);
+      StatsPart part{mean, m2, mark_ready(current_stream(x.device())), x.scalar_type(), x.sizes().vec()};
+      const MasterCall master_call{running_mean, running_var, num_batches_tracked, momentum, eps, layer};
+      const std::function<std::vector<Normalization>(std::vector<StatsPart>&)> combine =
+          [&master_call](std::vector<StatsPart>& parts) {
+            return std::vector<Normalization>(parts.size(), merge_replicas(parts, master_call));
+          };
+      normalization = round->exchange<StatsPart, Normalization>("forward", call, index, std::move(part), combine);
+      normalization.mean = fetch(normalization.mean, x.device(), normalization.ready);
+      normalization.invstd = fetch(normalization.invstd, x.device(), normalization.ready);
+      y = ops().elemt_forward.call(x, normalization.mean, normalization.invstd, weight, bias, residual, negative_slope);
+    }
     const auto undefined = [](const OptTensor& t) { return t ? *t : at::Tensor(); };
     const auto w = undefined(weight), b = undefined(bias), z = undefined(residual);
     if (at::GradMode::is_enabled() && torch::autograd::compute_requires_grad(x, w, b, z)) {
@@ -401,18 +370,18 @@ at::Tensor replica_batch_norm(const std::shared_ptr<ReplicaRound>& round, int64_
       node->round = round;
       node->index = index;
       node->call = call;
-      node->count = result.count;
+      node->count = normalization.count;
       node->negative_slope = negative_slope;
       node->layer = layer;
       node->x = torch::autograd::SavedVariable(x, false);
       node->weight = torch::autograd::SavedVariable(w, false);
       node->bias = torch::autograd::SavedVariable(b, false);
       node->residual = torch::autograd::SavedVariable(z, false);
-      node->mean = torch::autograd::SavedVariable(result.mean, false);
-      node->invstd = torch::autograd::SavedVariable(result.invstd, false);
-      torch::autograd::set_history(result.y, node);
+      node->mean = torch::autograd::SavedVariable(normalization.mean, false);
+      node->invstd = torch::autograd::SavedVariable(normalization.invstd, false);
+      torch::autograd::set_history(y, node);
     }
-    return result.y;
+    return y;
   });
 }
 
