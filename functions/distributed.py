@@ -221,17 +221,18 @@ def _explain_backward(call: ProcessGroupCall, world: int, identity_sums: list[fl
     )
 
 
-def all_reduce_sums(local: Tensor, call: ProcessGroupCall) -> Tensor:
-    """The sum over the ranks of ``local`` (a ``(2C,)`` cat of sum_dy and sum_dy_xmu), from
-    one all_reduce in float64; returned in ``local``'s dtype. The checks raise alike on every
-    rank when the ranks are at the backward of different calls."""
+def all_reduce_sums(sum_dy: Tensor, sum_dy_xmu: Tensor, call: ProcessGroupCall) -> tuple[Tensor, Tensor]:
+    """``sum_dy`` and ``sum_dy_xmu`` (``(C,)`` each) summed over the ranks, from one all_reduce of
+    one float64 row; returned in their dtype. The checks raise alike on every rank when the ranks
+    are at the backward of different calls."""
     layer_id, number = float(call.layer_id), float(call.number % LAYER_ID_RANGE)
-    identity = devices.host_values_on([layer_id, layer_id**2, number, number**2], local.device)
-    row = torch.cat([in_dtype(local, torch.float64), identity])
+    identity = devices.host_values_on([layer_id, layer_id**2, number, number**2], sum_dy.device)
+    row = torch.cat([in_dtype(sum_dy, torch.float64), in_dtype(sum_dy_xmu, torch.float64), identity])
     dist.all_reduce(row, group=call.group)
     world = dist.get_world_size(call.group)
     checks.verify(row[-4:], lambda values: _explain_backward(call, world, values))
-    return in_dtype(row[:-4], local.dtype)
+    total_dy, total_dy_xmu = in_dtype(row[:-4], sum_dy.dtype).chunk(2)
+    return total_dy, total_dy_xmu
 
 
 def consecutive_rank_groups(group_size: int, timeout: timedelta | None = None) -> Any:

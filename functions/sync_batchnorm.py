@@ -17,7 +17,10 @@ over the replicas in one exchange; then
 
 How the replicas and ranks exchange (rounds, fences, collectives, failures) is the business of
 the :class:`~functions.synchronization.Synchronizer` that the layer hands in: this module is the
-math over the ``torch.ops.syncbn`` operators.
+math over the ``torch.ops.syncbn`` operators, on the master for every replica
+(``_forward_every_replica``, ``_backward_every_replica``). Replicas of one process without a
+process group meet natively instead (:func:`replica_batch_norm`: the same math in
+``src/replica_batch_norm.cpp``, each replica's kernels in its own thread).
 """
 from __future__ import annotations
 

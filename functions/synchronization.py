@@ -140,11 +140,10 @@ class Synchronizer:
 
     def sum_over_ranks(self, sum_dy: Tensor, sum_dy_xmu: Tensor) -> tuple[Tensor, Tensor]:
         """On the master: the replicas' summed (sum_dy, sum_dy_xmu), summed over the ranks too
-        (one all_reduce of both as one ``(2C,)`` row), or themselves without a process group."""
+        (one all_reduce of both as one row), or themselves without a process group."""
         if self.process_call is None:
             return sum_dy, sum_dy_xmu
-        total_dy, total_dy_xmu = all_reduce_sums(torch.cat([sum_dy, sum_dy_xmu]), self.process_call).chunk(2)
-        return total_dy, total_dy_xmu
+        return all_reduce_sums(sum_dy, sum_dy_xmu, self.process_call)
 
     def fail(self, error: BaseException) -> None:
         """This replica failed during the call: release the other replicas of its round, and,
