@@ -13,8 +13,10 @@ backward (the input requires grad, as inside a network) of a tiny (8, 8, 4, 4) f
 - processes: R Gloo ranks on loopback (one intra-op thread each) under DDP, ours against
   ``nn.BatchNorm2d``, and the two collectives of a layer alone (an all_gather of a 14 + 2C row,
   an all_reduce of 2C + 4 values, float64) in the same processes; every rank runs the same fixed
-  number of steps (collectives need all ranks), the slowest rank's median counts; with the checks
-  read at each layer (CPU tensors' default) and deferred (``SYNCBN_CHECKS=step``, CUDA's default);
+  number of steps (collectives need all ranks), all contenders taken in turn over rounds (the
+  collectives' own time drifts between runs on a VM), the slowest rank's median counts; with the
+  checks read at each layer (CPU tensors' default) and deferred (``SYNCBN_CHECKS=step``, CUDA's
+  default);
 - the bare exchange: R threads meeting in ``ReplicaRound.exchange`` with a trivial combine.
 
     python benchmarks/bench_sync_overhead.py [--quick] [--no-write]
@@ -27,6 +29,7 @@ import sys
 import threading
 import time
 from statistics import median
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -152,15 +155,13 @@ def time_fixed(fn, number: int, repeats: int) -> float:
     return median(samples)
 
 
-def ddp_step(layer: type, depth: int, number: int, repeats: int) -> float:
-    model = DistributedDataParallel(stack(layer, depth), forward_sync_buffers=False)
-    x = torch.randn(SHAPE, requires_grad=True)
-    return time_fixed(lambda: model(x).sum().backward(), number, repeats)
+def ddp_model(layer: type, depth: int) -> nn.Module:
+    return DistributedDataParallel(stack(layer, depth), forward_sync_buffers=False)
 
 
-def collectives_alone(number: int, repeats: int) -> float:
-    """Seconds of one layer's two collectives: the all_gather of its statistics row and the
-    all_reduce of its backward sums."""
+def collectives_alone() -> Callable[[], None]:
+    """One layer's two collectives: the all_gather of its statistics row and the all_reduce of
+    its backward sums."""
     channels, world = SHAPE[1], dist.get_world_size()
     row, sums = torch.zeros(14 + 2 * channels, dtype=torch.float64), torch.zeros(2 * channels + 4, dtype=torch.float64)
     rows = row.new_empty(world * row.numel())
@@ -169,21 +170,29 @@ def collectives_alone(number: int, repeats: int) -> float:
         dist.all_gather_into_tensor(rows, row)
         dist.all_reduce(sums)
 
-    return time_fixed(both, number, repeats)
+    return both
 
 
 def ranks_row(rank: int, world: int, number: int, repeats: int) -> dict:
-    result = {}
-    for mode in ("layer", "step"):
-        os.environ[checks.CHECKS_ENV] = mode
-        ours = [ddp_step(NN.SyncBatchNorm2d, depth, number, repeats) for depth in (1, DEEP)]
-        checks.check_pending()
-        result[mode] = per_layer(ours[1], ours[0])
-    del os.environ[checks.CHECKS_ENV]
-    theirs = [ddp_step(nn.BatchNorm2d, depth, number, repeats) for depth in (1, DEEP)]
-    result["torch"] = per_layer(theirs[1], theirs[0])
-    result["collectives"] = collectives_alone(number * DEEP // 4, repeats)
-    return result
+    """Per-layer seconds on this rank: ours with the checks at the layer and deferred, torch's,
+    and the two collectives alone, taken in turn over ``repeats`` rounds (every rank runs the same
+    sequence: collectives need all ranks), medians."""
+    x = torch.randn(SHAPE, requires_grad=True)
+    ours = {depth: ddp_model(NN.SyncBatchNorm2d, depth) for depth in (1, DEEP)}
+    theirs = {depth: ddp_model(nn.BatchNorm2d, depth) for depth in (1, DEEP)}
+    both = collectives_alone()
+    samples: dict = {key: [] for key in ("layer", "step", "torch", "collectives")}
+    for _ in range(repeats):
+        for mode in ("layer", "step"):
+            os.environ[checks.CHECKS_ENV] = mode
+            t = [time_fixed(lambda m=ours[depth]: m(x).sum().backward(), number, 1) for depth in (1, DEEP)]
+            checks.check_pending()
+            samples[mode].append(per_layer(t[1], t[0]))
+        del os.environ[checks.CHECKS_ENV]
+        t = [time_fixed(lambda m=theirs[depth]: m(x).sum().backward(), number, 1) for depth in (1, DEEP)]
+        samples["torch"].append(per_layer(t[1], t[0]))
+        samples["collectives"].append(time_fixed(both, number * DEEP // 4, 1))
+    return {key: median(values) for key, values in samples.items()}
 
 
 def us(seconds: float) -> str:
@@ -218,7 +227,7 @@ def main() -> None:
             )
             print(lines[-1], flush=True)
     for world in worlds:
-        results = run_local_group(ranks_row, world, 20 if args.quick else 40, 5, timeout_s=300)
+        results = run_local_group(ranks_row, world, 20 if args.quick else 40, 5 if args.quick else 9, timeout_s=600)
         slowest = {key: max(r[key] for r in results) for key in results[0]}
         for mode, what in (("layer", "checks at the layer"), ("step", "checks deferred")):
             own = slowest[mode] - slowest["torch"] - slowest["collectives"]

@@ -34,6 +34,17 @@ needs_ops = pytest.mark.skipif(
 DEVICE = "cuda"
 
 
+@pytest.fixture(params=["native", "python"])
+def exchange_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where the replicas meet: natively (src/replica_batch_norm.cpp: device-generic events and
+    record_stream, read but not yet run on a GPU) or through the Python exchange."""
+    if request.param == "python":
+        monkeypatch.setattr(backend, "NATIVE_ROUNDS", None)
+    elif backend.NATIVE_ROUNDS is None:
+        pytest.skip("the compiled module is not loaded: the Python exchange serves")
+    return request.param
+
+
 def make_input(shape, memory_format, dtype, seed=0) -> torch.Tensor:
     return kernel_tests.make_input(shape, memory_format, dtype, seed, DEVICE)
 
@@ -213,7 +224,7 @@ def resnet_block(channels: int = 6) -> nn.Module:
 
 
 @pytest.mark.parametrize("devices_", [["cuda:0", "cuda:0"], ["cuda:0", "cpu"]], ids=["two-on-one-gpu", "gpu-and-cpu"])
-def test_threaded_step_matches_the_full_batch(devices_, monkeypatch) -> None:
+def test_threaded_step_matches_the_full_batch(devices_, monkeypatch, exchange_path) -> None:
     """A replica exchange on one GPU, and across a GPU and the CPU (the events, record_stream
     and copies of functions.devices), against torch's layers on the full batch, float32."""
     from modules.parallel import ThreadedDataParallel
@@ -238,7 +249,7 @@ def test_threaded_step_matches_the_full_batch(devices_, monkeypatch) -> None:
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
 
 
-def test_a_synchronized_step_never_synchronizes_the_host() -> None:
+def test_a_synchronized_step_never_synchronizes_the_host(exchange_path) -> None:
     """torch's sync debug mode raises on any host synchronization (a device value read on the
     host, a pageable copy, a stream synchronize) during a threaded step on one GPU, forward and
     backward, running statistics with momentum None included."""
@@ -259,7 +270,7 @@ def test_a_synchronized_step_never_synchronizes_the_host() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nn.DataParallel replicates on two GPUs or more")
-def test_stock_data_parallel_on_a_side_stream() -> None:
+def test_stock_data_parallel_on_a_side_stream(exchange_path) -> None:
     """Stock nn.DataParallel over every visible GPU, called on a non-default stream: the
     replicas run on that stream (parallel_apply enters it), so must our fences and copies."""
     torch.manual_seed(0)
