@@ -7,7 +7,7 @@ backward (the input requires grad, as inside a network) of a tiny (8, 8, 4, 4) f
   ``nn.BatchNorm2d`` (unsynced) in the same wrapper, R = 2, 4, 8; ``torch.utils.benchmark``
   ``blocked_autorange``, the contenders taken in turn over rounds, medians; our replicas meet
   natively (one call per layer and direction, the default with the compiled module) and through
-  the Python exchange (what serves with a process group, or without the compiled module);
+  the Python exchange (what serves without the compiled module);
 - a small ResNet (stem + 8 basic blocks: 17 batch norms, residual adds; batch 16x3x16x16), one
   training step (forward, loss, backward) under 4 thread replicas, converted against unsynced;
 - processes: R Gloo ranks on loopback (one intra-op thread each) under DDP, ours against

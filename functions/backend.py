@@ -211,10 +211,10 @@ NATIVE_ROUNDS_ENV = "SYNCBN_NATIVE_ROUNDS"
 NATIVE_ROUNDS: ModuleType | None = (
     COMPILED if COMPILED is not None and os.environ.get(NATIVE_ROUNDS_ENV, "1") != "0" else None
 )
-"""The compiled module whose ``ReplicaRound`` and ``replica_batch_norm`` (src/replica_batch_norm.cpp)
-serve the replicas of one process in one call per layer and direction, or None where the Python
-exchange serves (:mod:`functions.synchronization`): no compiled kernels, the reference asked
-for, or ``$SYNCBN_NATIVE_ROUNDS=0``. Either serves every device (:mod:`functions.replicas`)."""
+"""The compiled module whose ``ReplicaRound`` and ``sync_batch_norm`` (src/sync_batch_norm.cpp)
+serve every synchronized call in one native call per replica and direction, or None where the
+Python path serves (the autograd Function and :mod:`functions.synchronization`): no compiled
+kernels, the reference asked for, or ``$SYNCBN_NATIVE_ROUNDS=0``. Either serves every device."""
 
 _BACKEND_NAMES = {
     "cpu": "reference" if COMPILED is None else f"compiled-cpu-{COMPILED.capability.lower()}",

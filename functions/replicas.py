@@ -18,10 +18,10 @@ Replicas exchange through :meth:`ReplicaRound.exchange`, keyed by direction and 
 call number, so a layer called twice syncs twice and backward meets the right forward. Every
 wait has a timeout; a failure or a timeout breaks the round for every replica at once.
 
-Where the compiled module is loaded (:data:`functions.backend.NATIVE_ROUNDS`) and no process
-group takes part, a round meets natively instead: :meth:`ReplicaRound.native` is its C++ side
-(src/replica_round.h: the same keys, timeouts, messages and aborts), where a replica posts and
-waits without the GIL in one call per layer and direction (src/replica_batch_norm.cpp).
+Where the compiled module is loaded (:data:`functions.backend.NATIVE_ROUNDS`), a round meets
+natively instead: :meth:`ReplicaRound.native` is its C++ side (src/replica_round.h: the same
+keys, timeouts, messages and aborts), where a replica posts and waits without the GIL in one call
+per layer and direction (src/sync_batch_norm.cpp).
 """
 from __future__ import annotations
 

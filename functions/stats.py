@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from . import devices
+from . import devices, reference
 from .ops import OVERLOADS
 
 
@@ -84,3 +84,15 @@ def merge_into_one(parts: list[LocalStats]) -> LocalStats:
     first = parts[0]
     shape = torch.Size([sum(part.input_shape[0] for part in parts), *first.input_shape[1:]])
     return LocalStats(count, mean, var * count, first.input_dtype, shape)
+
+
+Running = tuple[Tensor | None, Tensor | None, Tensor | None, float | None]
+"""A layer's (running_mean, running_var, num_batches_tracked, momentum)."""
+
+
+def update_running_stats(running: Running, mean: Tensor, var: Tensor, count: int | Tensor) -> None:
+    """The running statistics' update, once per step on the master: the operator with a host
+    count; the reference's device ops with a count still on the device (deferred checks: no
+    host read, and a failed exchange's NaN count updates nothing)."""
+    update = reference.update_running_stats if isinstance(count, Tensor) else OVERLOADS.update_running_stats
+    update(*running, mean, var, count)

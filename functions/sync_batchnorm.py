@@ -19,8 +19,9 @@ How the replicas and ranks exchange (rounds, fences, collectives, failures) is t
 the :class:`~functions.synchronization.Synchronizer` that the layer hands in: this module is the
 math over the ``torch.ops.syncbn`` operators, on the master for every replica
 (``_forward_every_replica``, ``_backward_every_replica``). Replicas of one process without a
-process group meet natively instead (:func:`replica_batch_norm`: the same math in
-``src/replica_batch_norm.cpp``, each replica's kernels in its own thread).
+Where the compiled module is loaded, synchronized calls take the native path instead
+(:func:`native_sync_batch_norm`: the same math in ``src/sync_batch_norm.cpp``, each replica's
+kernels in its own thread, no Python in the backward but the ranks' collective).
 """
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ from torch.nn import functional as F
 from . import backend, checks, devices, reference  # noqa: F401  (backend: registers the kernels)
 from .ops import OVERLOADS
 from .reference import in_dtype, memory_format_of, values_per_channel
-from .replicas import ReplicaCall, ReplicaSyncError
-from .stats import LocalStats, check_values_per_channel
+from .replicas import ReplicaSyncError
+from .stats import LocalStats, Running, check_values_per_channel, update_running_stats
 from .synchronization import Synchronizer
 
 
@@ -158,7 +159,7 @@ def _forward_every_replica(
     sync: Synchronizer,
     eps: float,
     negative_slope: float | None,
-    running: tuple[Tensor | None, Tensor | None, Tensor | None, float | None],
+    running: Running,
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
     """On the master, for every replica's part: its local (count, mean, M2), merged over the
     replicas and ranks (:meth:`Synchronizer.merge_stats`); the running statistics updated once;
@@ -171,9 +172,7 @@ def _forward_every_replica(
             ready = None if part.stream is None else devices.mark_ready(m2)
         local.append(LocalStats(values_per_channel(part.x), mean, m2, part.x.dtype, part.x.shape, ready))
     count, mean, var = sync.merge_stats(local)
-    # a count still on the device (deferred checks): the update in device ops, no host read
-    update = reference.update_running_stats if isinstance(count, Tensor) else OVERLOADS.update_running_stats
-    update(*running[:3], running[3], mean, var, count)
+    update_running_stats(running, mean, var, count)
     mean_acc, invstd = reference.normalization(mean, var, eps, reference.accumulation_dtype(parts[0].x.dtype))
     ready = devices.mark_ready(invstd)
     results = []
@@ -327,14 +326,14 @@ def _global_sums(
     return total_dy, total_dy_xmu, count, devices.mark_ready(total_dy_xmu)
 
 
-def native_replicas_serve() -> bool:
-    """Whether :func:`replica_batch_norm` serves a call synchronized over this process's replicas
-    alone: the compiled module is loaded (:data:`functions.backend.NATIVE_ROUNDS`) and no
-    torch.func transform is active (they need the autograd Function)."""
+def native_serves() -> bool:
+    """Whether :func:`native_sync_batch_norm` serves the synchronized calls: the compiled module is
+    loaded (:data:`functions.backend.NATIVE_ROUNDS`) and no torch.func transform is active (they
+    need the autograd Function)."""
     return backend.NATIVE_ROUNDS is not None and not torch._C._are_functorch_transforms_active()
 
 
-def replica_batch_norm(
+def native_sync_batch_norm(
     input: Tensor,
     running_mean: Tensor | None,
     running_var: Tensor | None,
@@ -344,26 +343,33 @@ def replica_batch_norm(
     eps: float,
     *,
     num_batches_tracked: Tensor | None,
-    call: ReplicaCall,
+    sync: Synchronizer,
     layer: str,
     residual: Tensor | None = None,
     negative_slope: float | None = None,
 ) -> Tensor:
-    """:func:`sync_batch_norm` over the replicas of this process (``call``: this replica's call
-    in its round), no process group, in one native call per replica and direction
-    (src/replica_batch_norm.cpp): the replica posts its part and waits without the GIL; the master
-    replica does the forward of every replica (the math of ``_forward_every_replica``), and, in
-    the backward, its autograd node the backward of every replica (``_backward_every_replica``).
-    Same arguments, results, errors and timeouts as :func:`sync_batch_norm` with a
-    :class:`~functions.synchronization.Synchronizer`; the autograd node is C++ (no Python runs in
-    a replica's backward). Raises :class:`~functions.ReplicaSyncError` where the round broke."""
+    """:func:`sync_batch_norm` with ``sync``, in one native call per replica and direction
+    (src/sync_batch_norm.cpp): the replica computes its statistics, posts them to its round and
+    waits without the GIL; the master merges them (and, with a process group, calls back
+    :meth:`~functions.synchronization.Synchronizer.merge_with_ranks` for the all_gather and the
+    running statistics); each replica normalizes its own input. The backward is a C++ autograd
+    node that meets again (the ranks' all_reduce through
+    :meth:`~functions.synchronization.Synchronizer.sum_with_ranks`). Same arguments, results,
+    errors and timeouts as :func:`sync_batch_norm`; raises :class:`~functions.ReplicaSyncError`
+    where the replicas' round broke."""
+    call = sync.replica_call
+    ranks = None
+    if sync.process_call is not None:  # what merge_with_ranks needs besides its arguments
+        sync.input_dtype, sync.running = input.dtype, (running_mean, running_var, num_batches_tracked, momentum)
+        ranks = sync
     try:
-        return backend.NATIVE_ROUNDS.replica_batch_norm(  # type: ignore[union-attr]
-            call.round.native(), call.index, call.number, input, weight, bias, running_mean, running_var,
-            num_batches_tracked, momentum, eps, residual, negative_slope, layer,
+        return backend.NATIVE_ROUNDS.sync_batch_norm(  # type: ignore[union-attr]
+            None if call is None else call.round.native(), 0 if call is None else call.index,
+            0 if call is None else call.number, input, weight, bias, running_mean, running_var,
+            num_batches_tracked, momentum, eps, residual, negative_slope, layer, ranks,
         )
     except ReplicaSyncError as error:
-        cause = call.round.failure_cause
+        cause = None if call is None else call.round.failure_cause
         if error.__cause__ is None and cause is not None and not isinstance(cause, ReplicaSyncError):
             error.__cause__ = cause
         raise

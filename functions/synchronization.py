@@ -2,8 +2,11 @@
 rounds, streams, fences, collectives, failure reporting and aborts.
 
 The layer builds a :class:`Synchronizer` for each call that syncs (training with more than one
-replica in the process, or a process group of more than one rank). The autograd Function meets
-the other replicas once per direction, with :meth:`Synchronizer.on_master`: each replica posts
+replica in the process, or a process group of more than one rank). On the native path
+(src/sync_batch_norm.cpp, where the compiled module is loaded) the replicas meet in C++, and the
+process master calls back :meth:`Synchronizer.merge_with_ranks` and
+:meth:`Synchronizer.sum_with_ranks` for the collectives. On the Python path the autograd Function
+meets the other replicas once per direction, with :meth:`Synchronizer.on_master`: each replica posts
 its part of the call (its tensors, and the stream it runs on) to its round
 (:mod:`functions.replicas`) and waits; the master replica (index 0) does the whole call for every
 replica, in replica order, and hands each its own result. The master's work asks this class for
@@ -40,10 +43,10 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 from torch import Tensor
 
-from . import checks, devices, stats
+from . import checks, devices, reference, stats
 from .distributed import ProcessGroupCall, ProcessGroupSync, all_gather_stats, all_reduce_sums, report_failure
 from .replicas import ReplicaCall, ReplicaHandle
-from .stats import LocalStats
+from .stats import LocalStats, Running, update_running_stats
 
 Part = TypeVar("Part")
 Result = TypeVar("Result")
@@ -70,6 +73,9 @@ class Synchronizer:
         self.channels, self.device = channels, device
         self.count: int | Tensor | None = None
         self._joined_collective = False
+        # the native path's process master: what merge_with_ranks needs besides its arguments
+        self.input_dtype: torch.dtype | None = None
+        self.running: Running = (None, None, None, None)
 
     @classmethod
     def for_call(
@@ -128,12 +134,7 @@ class Synchronizer:
         stats.check_parts_agree(parts, self.layer)
         parts = _on_one_device(parts)
         if self.process_call is not None:
-            # a deferred failure found here raises before this rank joins the collective, so
-            # that fail() joins it with a failed flag: the ranks' collectives stay paired
-            checks.poll()
-            self._joined_collective = True
-            self.count, counted, mean, var = all_gather_stats(stats.merge_into_one(parts), self.process_call)
-            return counted, mean, var
+            return self._gather_over_ranks(stats.merge_into_one(parts))
         stats.check_values_per_channel(sum(part.count for part in parts), self.layer, [p.input_shape for p in parts])
         self.count, mean, var = stats.merge(parts)
         return self.count, mean, var
@@ -144,6 +145,37 @@ class Synchronizer:
         if self.process_call is None:
             return sum_dy, sum_dy_xmu
         return all_reduce_sums(sum_dy, sum_dy_xmu, self.process_call)
+
+    def merge_with_ranks(self, count: int, mean: Tensor, m2: Tensor, sizes: list[int]) -> tuple[Tensor, Tensor]:
+        """On the process master, called by the native path (src/sync_batch_norm.cpp) with this
+        process's (count, mean, M2) of an input of ``sizes`` (its replicas' merged): the mean
+        and biased variance over every rank, the running statistics updated (``running``, set
+        by :func:`functions.sync_batchnorm.native_sync_batch_norm`); the total count stays
+        here, for :meth:`sum_with_ranks`."""
+        counted, mean, var = self._gather_over_ranks(LocalStats(count, mean, m2, self.input_dtype, torch.Size(sizes)))
+        update_running_stats(self.running, mean, var, counted)
+        return mean, var
+
+    def sum_with_ranks(self, sum_dy: Tensor, sum_dy_xmu: Tensor) -> tuple[Tensor, Tensor, int]:
+        """On the process master, called by the native path's backward: the process's sums over
+        every rank, as backward_elemt takes them with the count returned (divided by the count
+        here where it is a device tensor: deferred checks)."""
+        total_dy, total_dy_xmu = self.sum_over_ranks(sum_dy, sum_dy_xmu)
+        assert self.count is not None
+        if isinstance(self.count, Tensor):
+            return reference.sums_per_value(total_dy, total_dy_xmu, self.count)
+        return total_dy, total_dy_xmu, self.count
+
+    def _gather_over_ranks(self, local: LocalStats) -> tuple[int | Tensor, Tensor, Tensor]:
+        """This process's part merged with every rank's (one all_gather): the count to update
+        the running statistics with, mean, variance; :attr:`count` the total."""
+        assert self.process_call is not None
+        # a deferred failure found here raises before this rank joins the collective, so that
+        # fail() joins it with a failed flag: the ranks' collectives stay paired
+        checks.poll()
+        self._joined_collective = True
+        self.count, counted, mean, var = all_gather_stats(local, self.process_call)
+        return counted, mean, var
 
     def fail(self, error: BaseException) -> None:
         """This replica failed during the call: release the other replicas of its round, and,

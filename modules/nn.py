@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from functions import frozen_batch_norm, sync_batch_norm
-from functions.sync_batchnorm import native_replicas_serve, replica_batch_norm
+from functions.sync_batchnorm import native_serves, native_sync_batch_norm
 from functions.lone_replica import takes_our_kernels
 from functions.distributed import ProcessGroupSync, active_process_group, consecutive_rank_groups
 from functions.reference import values_per_channel
@@ -274,7 +274,7 @@ class SyncBatchNorm(_BatchNorm):
             if values_per_channel(input) == 1:  # the label is made only then: this is the hot path
                 check_values_per_channel(1, self._label(), [input.shape])
             return self._activate(self._torch_batch_norm_train(input), z)
-        return self._sync_batch_norm(input, z, None)
+        return self._batch_stats(sync_batch_norm, input, z, sync=None)
 
     def _torch_batch_norm_train(self, input: Tensor) -> Tensor:
         """``nn.BatchNorm*.forward`` in training with ``momentum`` set, less the checks that
@@ -288,35 +288,20 @@ class SyncBatchNorm(_BatchNorm):
     def _forward_synced(self, input: Tensor, z: Tensor | None, handle: ReplicaHandle | None, group: Any) -> Tensor:
         """Replicas (``handle``) and/or ranks (``group``) exchange statistics, eagerly:
         torch.compile breaks the graph here (:func:`~modules.compiler.disable_when_compiling`)."""
-        if group is None and native_replicas_serve():
-            assert handle is not None
-            return self._replica_batch_norm(input, z, handle)
         device = self.weight.device if self.weight is not None else input.device
         sync = Synchronizer.for_call(handle, group, self._process_sync, self._label(), self.num_features, device)
         try:
             self._check_input(input, z)
-            return self._sync_batch_norm(input, z, sync)
+            function = native_sync_batch_norm if native_serves() else sync_batch_norm
+            return self._batch_stats(function, input, z, sync=sync)
         except BaseException as error:
             sync.fail(error)
             raise
 
-    def _replica_batch_norm(self, input: Tensor, z: Tensor | None, handle: ReplicaHandle) -> Tensor:
-        """Replicas of one process alone, natively: one call per replica and direction."""
-        call = handle.next_call()
-        try:
-            self._check_input(input, z)
-            return self._batch_stats(replica_batch_norm, input, z, call=call)
-        except BaseException as error:
-            call.round.abort(error, call.index)
-            raise
-
-    def _sync_batch_norm(self, input: Tensor, z: Tensor | None, sync: Synchronizer | None) -> Tensor:
-        return self._batch_stats(sync_batch_norm, input, z, sync=sync)
-
     def _batch_stats(self, function: Any, input: Tensor, z: Tensor | None, **meeting: Any) -> Tensor:
         """``function`` (:func:`~functions.sync_batch_norm` or
-        :func:`~functions.sync_batchnorm.replica_batch_norm`) on this layer's state, with
-        ``meeting`` (its ``sync`` or ``call``)."""
+        :func:`~functions.sync_batchnorm.native_sync_batch_norm`) on this layer's state, with
+        ``meeting`` (its ``sync``)."""
         updates = self.training and self.track_running_stats
         return function(
             input,

@@ -9,11 +9,11 @@
 SYNCBN_REGISTER_KERNELS(CPU, syncbn::cpu)
 
 namespace syncbn {
-void bind_replica_rounds(pybind11::module_& m);  // src/replica_batch_norm.cpp
+void bind_sync_batch_norm(pybind11::module_& m);  // src/sync_batch_norm.cpp
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "CPU kernels of the synchronized batch norm, registered as torch.ops.syncbn.* for CPU tensors";
   m.attr("capability") = syncbn::cpu::capability();
-  syncbn::bind_replica_rounds(m);
+  syncbn::bind_sync_batch_norm(m);
 }

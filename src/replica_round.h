@@ -1,6 +1,6 @@
 // Where the replicas of one layer meet inside one process, natively: the round of
 // functions/replicas.py (same keys, timeouts, errors and aborts) for the synchronized layer's
-// one-call path (src/replica_batch_norm.cpp). A replica posts its part of a call and waits without
+// native path (src/sync_batch_norm.cpp). A replica posts its part of a call and waits without
 // the GIL; the master (index 0) runs the combine over every part once all have arrived and
 // publishes one result per part. Every wait has the round's timeout; a failure, a timeout or an
 // abort from Python breaks the round and wakes every waiter at once.
@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -28,6 +29,11 @@ namespace syncbn {
 struct RoundBroken : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+
+// "replica 1 failed: ValueError: ...": how replica `index`'s failure reads in the errors of the
+// replicas that waited for it. Defined with the callers (src/sync_batch_norm.cpp), which know the
+// Python exceptions that C++ ones become.
+std::string failure_reason(int64_t index, const std::exception_ptr& error);
 
 class ReplicaRound {
  public:
@@ -67,8 +73,8 @@ class ReplicaRound {
       std::vector<Result> results;
       try {
         results = combine(parts);
-      } catch (const std::exception& error) {
-        abort("replica 0 failed: " + python_type_of(error) + ": " + error.what());
+      } catch (...) {
+        abort(failure_reason(0, std::current_exception()));
         throw;
       }
       lock.lock();
@@ -81,13 +87,6 @@ class ReplicaRound {
     Result result = std::move(slot.results[index]);
     if (++slot.taken == size_) slots.erase(call);
     return result;
-  }
-
-  // The Python name of the exception type a C++ exception becomes (pybind11's translation).
-  static std::string python_type_of(const std::exception& error) {
-    if (dynamic_cast<const RoundBroken*>(&error)) return "ReplicaSyncError";
-    if (dynamic_cast<const std::invalid_argument*>(&error)) return "ValueError";
-    return "RuntimeError";
   }
 
  private:

@@ -184,19 +184,20 @@ def count_exchanges(monkeypatch) -> list[tuple[str, int]]:
     Python round's exchanges, and the native path's calls (its forward, and its backward node's
     runs, seen through a pre-hook on the node)."""
     calls: list[tuple[str, int]] = []
-    python_exchange, native_call = ReplicaRound.exchange, modules.nn.replica_batch_norm
+    python_exchange, native_call = ReplicaRound.exchange, modules.nn.native_sync_batch_norm
 
     def python_counting(self, key, *args, **kwargs):
         calls.append(key)
         return python_exchange(self, key, *args, **kwargs)
 
-    def native_counting(*args, call, **kwargs):
-        calls.append(("forward", call.number))
-        y = native_call(*args, call=call, **kwargs)
+    def native_counting(*args, sync, **kwargs):
+        number = sync.replica_call.number
+        calls.append(("forward", number))
+        y = native_call(*args, sync=sync, **kwargs)
         if y.grad_fn is not None:
-            y.grad_fn.register_prehook(lambda grads: calls.append(("backward", call.number)))
+            y.grad_fn.register_prehook(lambda grads: calls.append(("backward", number)))
         return y
 
     monkeypatch.setattr(ReplicaRound, "exchange", python_counting)
-    monkeypatch.setattr(modules.nn, "replica_batch_norm", native_counting)
+    monkeypatch.setattr(modules.nn, "native_sync_batch_norm", native_counting)
     return calls

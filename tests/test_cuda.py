@@ -36,7 +36,7 @@ DEVICE = "cuda"
 
 @pytest.fixture(params=["native", "python"])
 def exchange_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Where the replicas meet: natively (src/replica_batch_norm.cpp: device-generic events and
+    """Where the replicas meet: natively (src/sync_batch_norm.cpp: device-generic events and
     record_stream, read but not yet run on a GPU) or through the Python exchange."""
     if request.param == "python":
         monkeypatch.setattr(backend, "NATIVE_ROUNDS", None)

@@ -96,7 +96,7 @@ def test_frozen_matches_eval_mode_with_trainable_affine(activation, negative_slo
 
 @pytest.mark.parametrize("activation,negative_slope", ACTIVATIONS[1:])
 def test_fused_training_through_the_python_exchange(monkeypatch: pytest.MonkeyPatch, activation, negative_slope) -> None:
-    # what serves with a process group and without the compiled module (tests/test_parity.py)
+    # what serves without the compiled module (tests/test_parity.py)
     monkeypatch.setattr(backend, "NATIVE_ROUNDS", None)
     ref, ours = make_pair(4, 3, activation, negative_slope=negative_slope)
     train_pair(ref, ours, (7, 3, 5, 4), True, 3, memory_format=torch.channels_last)

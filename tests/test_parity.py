@@ -31,7 +31,7 @@ def test_2d_network_uneven_chunks(replicas: int, batch: int) -> None:
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_the_python_exchange_is_exact_too(monkeypatch: pytest.MonkeyPatch, bn_args: dict, replicas: int) -> None:
     # the replicas meet natively where the compiled module is loaded (one call per layer and
-    # direction); the Python exchange serves with a process group and without the module
+    # direction); the Python exchange serves without the module
     monkeypatch.setattr(backend, "NATIVE_ROUNDS", None)
     train_in_lockstep(lambda: conv_bn_2d(**bn_args), (10, 3, 5, 6), replicas)
 

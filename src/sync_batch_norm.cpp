@@ -1,15 +1,18 @@
-// The synchronized layer's one-call path for the replicas of one process (DataParallel threads,
-// no process group), all without the GIL: replica_batch_norm computes this replica's statistics,
-// posts them to its ReplicaRound (src/replica_round.h) and waits; the master merges every
-// replica's (and updates the running statistics) and publishes mean and invstd; each replica then
-// normalizes its own input. Its backward node does the same with the (sum_dy, sum_dy_xmu) sums.
-// Each replica's kernels run in its own thread, on its own stream, in parallel; only the merge is
-// the master's. The math is functions/sync_batchnorm.py's (the Python path, which serves with a
-// process group or without this module; there the master does every replica's work, since a
-// Python thread pays for each call into torch with a turn of the GIL), over the same
-// torch.ops.syncbn operators, called through the dispatcher (a part on a GPU takes the CUDA
-// kernels). Device-generic: what crosses devices is fenced by an event and kept alive for the
-// copying stream (record_stream), as functions/devices.py does.
+// The synchronized layer's native path, for every synchronized call where the compiled module is
+// loaded: one call per replica and direction, without the GIL. sync_batch_norm computes this
+// replica's statistics, posts them to its ReplicaRound (src/replica_round.h; none: the only
+// replica of its process) and waits; the master merges every replica's, and, with a process
+// group, hands the process's part to Python (Synchronizer.merge_with_ranks: the all_gather, its
+// checks, the running statistics), else updates the running statistics itself; it publishes mean
+// and invstd, and each replica normalizes its own input. The backward node does the same with
+// the (sum_dy, sum_dy_xmu) sums (Synchronizer.sum_with_ranks: the all_reduce). Each replica's
+// kernels run in its own thread, on its own stream, in parallel; only the merge is the master's.
+// The math is functions/sync_batchnorm.py's (the Python path, which serves without this module;
+// there the master does every replica's work, since a Python thread pays for each call into
+// torch with a turn of the GIL), over the same torch.ops.syncbn operators, called through the
+// dispatcher (a part on a GPU takes the CUDA kernels). Device-generic: what crosses devices is
+// fenced by an event and kept alive for the copying stream (record_stream), as
+// functions/devices.py does.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -179,9 +182,44 @@ at::Tensor host_values_on(const std::vector<double>& values, const at::Device& d
   return device.is_cpu() ? host : host.to(device, /*non_blocking=*/true);
 }
 
-// On the master: the replicas' statistics merged (Chan's formula, in replica order), the running
-// statistics updated once, and mean and invstd as the elementwise kernels take them.
-Normalization merge_replicas(std::vector<StatsPart>& parts, const MasterCall& call) {
+// This process's ranks, as Python holds them (functions.synchronization.Synchronizer), or none.
+// Called with the GIL taken here; kept by the backward node, released under the GIL.
+class Ranks {
+ public:
+  explicit Ranks(PyObject* sync) : sync_(sync) { Py_XINCREF(sync_); }
+  Ranks(const Ranks&) = delete;
+  Ranks& operator=(const Ranks&) = delete;
+  ~Ranks() {
+    if (sync_ && Py_IsInitialized()) {
+      pybind11::gil_scoped_acquire gil;
+      Py_DECREF(sync_);
+    }
+  }
+  explicit operator bool() const { return sync_ != nullptr; }
+
+  // (mean, var) over every rank, from this process's (count, mean, M2); the running statistics updated.
+  std::tuple<at::Tensor, at::Tensor> merge(int64_t count, const at::Tensor& mean, const at::Tensor& m2,
+                                           const std::vector<int64_t>& sizes) const {
+    pybind11::gil_scoped_acquire gil;
+    const auto result = pybind11::reinterpret_borrow<pybind11::object>(sync_).attr("merge_with_ranks")(count, mean, m2, sizes);
+    return result.cast<std::tuple<at::Tensor, at::Tensor>>();
+  }
+
+  // (sum_dy, sum_dy_xmu, count) over every rank, as backward_elemt takes them.
+  std::tuple<at::Tensor, at::Tensor, int64_t> sum(const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu) const {
+    pybind11::gil_scoped_acquire gil;
+    const auto result = pybind11::reinterpret_borrow<pybind11::object>(sync_).attr("sum_with_ranks")(sum_dy, sum_dy_xmu);
+    return result.cast<std::tuple<at::Tensor, at::Tensor, int64_t>>();
+  }
+
+ private:
+  PyObject* sync_;
+};
+
+// On the master: the replicas' statistics merged (Chan's formula, in replica order) and, with
+// ranks, over every rank; the running statistics updated once; mean and invstd as the
+// elementwise kernels take them.
+Normalization merge_replicas(std::vector<StatsPart>& parts, const MasterCall& call, const Ranks& ranks) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   check_parts_agree(parts, call.layer);
   const auto device = parts[0].mean.device();
@@ -195,15 +233,26 @@ Normalization merge_replicas(std::vector<StatsPart>& parts, const MasterCall& ca
     counts.push_back(double(count));
     total += count;
   }
-  check_values_per_channel(parts, total, call.layer);
+  if (!ranks) check_values_per_channel(parts, total, call.layer);  // else the ranks' checks, over all of them
   at::Tensor mean, var;
-  if (total == 0) {
-    mean = at::zeros_like(means[0]);
-    var = at::ones_like(means[0]);
+  if (parts.size() == 1 && ranks) {
+    std::tie(mean, var) = ranks.merge(total, means[0], m2s[0], parts[0].sizes);
   } else {
-    std::tie(mean, var) = ops().merge_stats.call(host_values_on(counts, device), at::stack(means), at::stack(m2s));
+    if (total == 0) {
+      mean = at::zeros_like(means[0]);
+      var = at::ones_like(means[0]);
+    } else {
+      std::tie(mean, var) = ops().merge_stats.call(host_values_on(counts, device), at::stack(means), at::stack(m2s));
+    }
+    if (ranks) {  // the process's part, as one input of the replicas' batches together
+      auto sizes = parts[0].sizes;
+      for (size_t i = 1; i < parts.size(); ++i) sizes[0] += parts[i].sizes[0];
+      std::tie(mean, var) = ranks.merge(total, mean, var * double(total), sizes);
+    } else {
+      update_running_stats(call.running_mean, call.running_var, call.num_batches_tracked, call.momentum, mean, var,
+                           total);
+    }
   }
-  update_running_stats(call.running_mean, call.running_var, call.num_batches_tracked, call.momentum, mean, var, total);
   const auto acc = parts[0].dtype == at::kDouble ? at::kDouble : at::kFloat;
   return {mean.to(acc), (var + call.eps).rsqrt().to(acc), mark_ready(current_stream(device)), total};
 }
@@ -217,10 +266,11 @@ struct SumsPart {
 struct Sums {
   at::Tensor sum_dy, sum_dy_xmu;  // on the master's device
   Ready ready;
+  int64_t count;  // with ranks: the count that backward_elemt divides by (-1: the forward's)
 };
 
-// On the master: the replicas' sums, summed in replica order.
-Sums sum_replicas(std::vector<SumsPart>& parts) {
+// On the master: the replicas' sums, summed in replica order, then over the ranks.
+Sums sum_replicas(std::vector<SumsPart>& parts, const Ranks& ranks) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const auto device = parts[0].sum_dy.device();
   std::vector<at::Tensor> sums_dy, sums_dy_xmu;
@@ -228,8 +278,26 @@ Sums sum_replicas(std::vector<SumsPart>& parts) {
     sums_dy.push_back(fetch(part.sum_dy, device, part.ready));
     sums_dy_xmu.push_back(fetch(part.sum_dy_xmu, device, part.ready));
   }
-  if (parts.size() == 1) return {sums_dy[0], sums_dy_xmu[0], mark_ready(current_stream(device))};
-  return {at::stack(sums_dy).sum(0), at::stack(sums_dy_xmu).sum(0), mark_ready(current_stream(device))};
+  Sums sums{sums_dy[0], sums_dy_xmu[0], nullptr, -1};
+  if (parts.size() > 1) {
+    sums.sum_dy = at::stack(sums_dy).sum(0);
+    sums.sum_dy_xmu = at::stack(sums_dy_xmu).sum(0);
+  }
+  if (ranks) std::tie(sums.sum_dy, sums.sum_dy_xmu, sums.count) = ranks.sum(sums.sum_dy, sums.sum_dy_xmu);
+  sums.ready = mark_ready(current_stream(device));
+  return sums;
+}
+
+// A meeting of this replica with the others of its process (none: it is the only one).
+template <typename Part, typename Result>
+Result meet(const std::shared_ptr<ReplicaRound>& round, const char* direction, int64_t call, int64_t index, Part part,
+            const std::function<std::vector<Result>(std::vector<Part>&)>& combine) {
+  if (!round) {
+    std::vector<Part> parts;
+    parts.push_back(std::move(part));
+    return std::move(combine(parts)[0]);
+  }
+  return round->exchange<Part, Result>(direction, call, index, std::move(part), combine);
 }
 
 // ---- errors as Python sees them ----
@@ -246,33 +314,58 @@ Sums sum_replicas(std::vector<SumsPart>& parts) {
   throw std::move(error);
 }
 
-// Run this replica's side of an exchange; its own failures break the round for the others.
+}  // namespace
+
+std::string failure_reason(int64_t index, const std::exception_ptr& error) {
+  std::string what;
+  try {
+    std::rethrow_exception(error);
+  } catch (const RoundBroken& broken) {
+    what = std::string(": ReplicaSyncError: ") + broken.what();
+  } catch (const python_error&) {
+    what = "";  // its message is in the error this replica raises
+  } catch (pybind11::error_already_set& raised) {
+    pybind11::gil_scoped_acquire gil;
+    what = ": " + pybind11::str(raised.type().attr("__name__")).cast<std::string>() + ": " +
+           pybind11::str(raised.value()).cast<std::string>();
+  } catch (const std::invalid_argument& invalid) {  // pybind11 raises it as a ValueError
+    what = std::string(": ValueError: ") + invalid.what();
+  } catch (const c10::Error& failed) {
+    what = std::string(": RuntimeError: ") + failed.what_without_backtrace();
+  } catch (const std::exception& failed) {
+    what = std::string(": RuntimeError: ") + failed.what();
+  } catch (...) {
+    what = ": an unknown C++ exception";
+  }
+  return "replica " + std::to_string(index) + " failed" + what;
+}
+
+namespace {
+
+// Run this replica's side of a call; its own failures break the round (if any) for the others.
 template <typename Work>
-auto as_replica(ReplicaRound& round, int64_t index, Work work) -> decltype(work()) {
+auto as_replica(ReplicaRound* round, int64_t index, Work work) -> decltype(work()) {
   try {
     return work();
   } catch (const RoundBroken&) {
     throw;
-  } catch (const python_error&) {
-    round.abort("replica " + std::to_string(index) + " failed");
-    throw;
-  } catch (const std::exception& error) {
-    round.abort("replica " + std::to_string(index) + " failed: " + ReplicaRound::python_type_of(error) + ": " +
-                error.what());
+  } catch (...) {
+    if (round) round->abort(failure_reason(index, std::current_exception()));
     throw;
   }
 }
 
 // ---- autograd ----
 
-struct ReplicaBatchNormBackward : public torch::autograd::Node {
-  std::shared_ptr<ReplicaRound> round;
+struct SyncBatchNormBackward : public torch::autograd::Node {
+  std::shared_ptr<ReplicaRound> round;  // none: the only replica of its process
+  std::shared_ptr<Ranks> ranks;
   int64_t index = 0, call = 0, count = 0;
   std::optional<double> negative_slope;
   std::string layer;
   torch::autograd::SavedVariable x, weight, bias, residual, mean, invstd;
 
-  std::string name() const override { return "SyncBatchNormReplicaBackward"; }
+  std::string name() const override { return "SyncBatchNormBackward"; }
 
   void release_variables() override {
     for (auto* saved : {&x, &weight, &bias, &residual, &mean, &invstd}) saved->reset_data();
@@ -280,9 +373,17 @@ struct ReplicaBatchNormBackward : public torch::autograd::Node {
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     try {
-      return as_replica(*round, index, [&] { return backward(grads); });
+      return as_replica(round.get(), index, [&] { return backward(grads); });
     } catch (const RoundBroken& broken) {
       raise_replica_sync_error(broken.what());
+    } catch (pybind11::error_already_set& error) {  // from the ranks' Python: raised as it is
+      python_error raised;
+      {
+        pybind11::gil_scoped_acquire gil;
+        error.restore();
+        raised.persist();
+      }
+      throw std::move(raised);
     }
   }
 
@@ -304,17 +405,17 @@ struct ReplicaBatchNormBackward : public torch::autograd::Node {
           /*input_grad=*/false, /*residual_grad=*/true, /*sums=*/true);
     }
     // every replica meets, whichever gradients it wants: the others wait for its sums
-    const std::function<std::vector<Sums>(std::vector<SumsPart>&)> combine = [](std::vector<SumsPart>& parts) {
-      return std::vector<Sums>(parts.size(), sum_replicas(parts));
+    const std::function<std::vector<Sums>(std::vector<SumsPart>&)> combine = [this](std::vector<SumsPart>& parts) {
+      return std::vector<Sums>(parts.size(), sum_replicas(parts, *ranks));
     };
     const auto ready = mark_ready(current_stream(input.device()));
-    const auto totals =
-        round->exchange<SumsPart, Sums>("backward", call, index, SumsPart{sum_dy, sum_dy_xmu, ready}, combine);
+    const auto totals = meet<SumsPart, Sums>(round, "backward", call, index, SumsPart{sum_dy, sum_dy_xmu, ready}, combine);
     torch::autograd::variable_list result(4);
     if (task_should_compute_output(0)) {
       result[0] = ops().backward_elemt.call(dy, input, mean_, invstd_, optional(weight_),
                                             fetch(totals.sum_dy, input.device(), totals.ready),
-                                            fetch(totals.sum_dy_xmu, input.device(), totals.ready), c10::SymInt(count));
+                                            fetch(totals.sum_dy_xmu, input.device(), totals.ready),
+                                            c10::SymInt(totals.count >= 0 ? totals.count : count));
     }
     if (weight_.defined() && task_should_compute_output(1)) result[1] = (sum_dy_xmu * invstd_).to(weight_.scalar_type());
     if (bias_.defined() && task_should_compute_output(2)) result[2] = sum_dy.to(bias_.scalar_type());
@@ -338,14 +439,17 @@ auto make_node() {
 }  // namespace
 
 // One replica's call of a synchronized layer (see the file's comment): y, with the autograd
-// history whose backward meets the other replicas again.
-at::Tensor replica_batch_norm(const std::shared_ptr<ReplicaRound>& round, int64_t index, int64_t call,
-                              const at::Tensor& input, const OptTensor& weight, const OptTensor& bias,
-                              const OptTensor& running_mean, const OptTensor& running_var,
-                              const OptTensor& num_batches_tracked, std::optional<double> momentum, double eps,
-                              const OptTensor& residual, std::optional<double> negative_slope,
-                              const std::string& layer) {
-  return as_replica(*round, index, [&] {
+// history whose backward meets the other replicas (and ranks) again. `round`: none where this is
+// the only replica of its process; `sync`: the process master's Synchronizer where a process
+// group takes part, else null.
+at::Tensor sync_batch_norm(const std::shared_ptr<ReplicaRound>& round, int64_t index, int64_t call,
+                           const at::Tensor& input, const OptTensor& weight, const OptTensor& bias,
+                           const OptTensor& running_mean, const OptTensor& running_var,
+                           const OptTensor& num_batches_tracked, std::optional<double> momentum, double eps,
+                           const OptTensor& residual, std::optional<double> negative_slope, const std::string& layer,
+                           PyObject* sync) {
+  const auto ranks = std::make_shared<Ranks>(sync);
+  return as_replica(round.get(), index, [&] {
     at::Tensor x = input.contiguous(memory_format_of(input)), y;
     Normalization normalization;
     {
@@ -354,10 +458,10 @@ at::Tensor replica_batch_norm(const std::shared_ptr<ReplicaRound>& round, int64_
       StatsPart part{mean, m2, mark_ready(current_stream(x.device())), x.scalar_type(), x.sizes().vec()};
       const MasterCall master_call{running_mean, running_var, num_batches_tracked, momentum, eps, layer};
       const std::function<std::vector<Normalization>(std::vector<StatsPart>&)> combine =
-          [&master_call](std::vector<StatsPart>& parts) {
-            return std::vector<Normalization>(parts.size(), merge_replicas(parts, master_call));
+          [&master_call, &ranks](std::vector<StatsPart>& parts) {
+            return std::vector<Normalization>(parts.size(), merge_replicas(parts, master_call, *ranks));
           };
-      normalization = round->exchange<StatsPart, Normalization>("forward", call, index, std::move(part), combine);
+      normalization = meet<StatsPart, Normalization>(round, "forward", call, index, std::move(part), combine);
       normalization.mean = fetch(normalization.mean, x.device(), normalization.ready);
       normalization.invstd = fetch(normalization.invstd, x.device(), normalization.ready);
       y = ops().elemt_forward.call(x, normalization.mean, normalization.invstd, weight, bias, residual, negative_slope);
@@ -365,9 +469,10 @@ at::Tensor replica_batch_norm(const std::shared_ptr<ReplicaRound>& round, int64_
     const auto undefined = [](const OptTensor& t) { return t ? *t : at::Tensor(); };
     const auto w = undefined(weight), b = undefined(bias), z = undefined(residual);
     if (at::GradMode::is_enabled() && torch::autograd::compute_requires_grad(x, w, b, z)) {
-      auto node = make_node<ReplicaBatchNormBackward>();
+      auto node = make_node<SyncBatchNormBackward>();
       node->set_next_edges(torch::autograd::collect_next_edges(x, w, b, z));
       node->round = round;
+      node->ranks = ranks;
       node->index = index;
       node->call = call;
       node->count = normalization.count;
@@ -385,7 +490,7 @@ at::Tensor replica_batch_norm(const std::shared_ptr<ReplicaRound>& round, int64_
   });
 }
 
-void bind_replica_rounds(pybind11::module_& m) {
+void bind_sync_batch_norm(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<ReplicaRound, std::shared_ptr<ReplicaRound>>(
       m, "ReplicaRound", "The native side of functions.replicas.ReplicaRound (src/replica_round.h)")
@@ -397,18 +502,19 @@ void bind_replica_rounds(pybind11::module_& m) {
     replica_sync_error = type.release().ptr();  // kept for the life of the process
   });
   m.def(
-      "replica_batch_norm",
+      "sync_batch_norm",
       [](const std::shared_ptr<ReplicaRound>& round, int64_t index, int64_t call, const at::Tensor& input,
          const OptTensor& weight, const OptTensor& bias, const OptTensor& running_mean, const OptTensor& running_var,
          const OptTensor& num_batches_tracked, std::optional<double> momentum, double eps, const OptTensor& residual,
-         std::optional<double> negative_slope, const std::string& layer) {
+         std::optional<double> negative_slope, const std::string& layer, const py::object& sync) {
         std::optional<std::string> broken;
         at::Tensor y;
         {
           py::gil_scoped_release no_gil;  // the wait, and the master's work, without the GIL
           try {
-            y = replica_batch_norm(round, index, call, input, weight, bias, running_mean, running_var,
-                                   num_batches_tracked, momentum, eps, residual, negative_slope, layer);
+            y = sync_batch_norm(round, index, call, input, weight, bias, running_mean, running_var,
+                                num_batches_tracked, momentum, eps, residual, negative_slope, layer,
+                                sync.is_none() ? nullptr : sync.ptr());
           } catch (const RoundBroken& error) {
             broken = error.what();
           }
@@ -419,7 +525,10 @@ void bind_replica_rounds(pybind11::module_& m) {
         }
         return y;
       },
-      "One replica's call of a synchronized layer: y (see src/replica_batch_norm.cpp)");
+      py::arg("round").none(true), py::arg("index"), py::arg("call"), py::arg("input"), py::arg("weight"),
+      py::arg("bias"), py::arg("running_mean"), py::arg("running_var"), py::arg("num_batches_tracked"),
+      py::arg("momentum"), py::arg("eps"), py::arg("residual"), py::arg("negative_slope"), py::arg("layer"),
+      py::arg("sync"), "One replica's call of a synchronized layer: y (see src/sync_batch_norm.cpp)");
 }
 
 }  // namespace syncbn
