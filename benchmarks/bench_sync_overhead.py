@@ -17,6 +17,8 @@ backward (the input requires grad, as inside a network) of a tiny (8, 8, 4, 4) f
   collectives' own time drifts between runs on a VM), the slowest rank's median counts; with the
   checks read at each layer (CPU tensors' default) and deferred (``SYNCBN_CHECKS=step``, CUDA's
   default);
+- our own part across processes without the collectives: this process posing as a rank of a
+  world of 2 whose collectives cost nothing;
 - the bare exchange: R threads meeting in ``ReplicaRound.exchange`` with a trivial combine.
 
     python benchmarks/bench_sync_overhead.py [--quick] [--no-write]
@@ -28,6 +30,7 @@ import os
 import sys
 import threading
 import time
+from unittest import mock
 from statistics import median
 from typing import Callable
 
@@ -41,9 +44,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from bench_cpu import cpu_model, publish  # noqa: E402
-from functions import backend, checks  # noqa: E402
+from functions import backend, checks, distributed  # noqa: E402
 from functions.replicas import ReplicaRound  # noqa: E402
 from helpers import BasicBlock  # noqa: E402
+import modules.nn  # noqa: E402
 from modules import nn as NN  # noqa: E402
 from modules.parallel import ThreadedDataParallel  # noqa: E402
 from testkit.local_group import run_local_group  # noqa: E402
@@ -195,6 +199,37 @@ def ranks_row(rank: int, world: int, number: int, repeats: int) -> dict:
     return {key: median(values) for key, values in samples.items()}
 
 
+def free_collectives_row(min_run_time: float, rounds: int) -> dict[str, float]:
+    """Per-layer seconds of ours (checks at the layer, and deferred) and of torch's layer in this
+    process posing as a rank of a world of 2 whose collectives cost nothing (the all_gather
+    returns this rank's row twice, the all_reduce doubles): our own host cost across processes,
+    free of the collectives' latency and of the ranks' skew, which the DDP rows include."""
+    group = object()
+    patches = [
+        mock.patch.object(distributed.dist, "get_world_size", lambda group=None: 2),
+        mock.patch.object(distributed, "_all_gather_rows", lambda row, group: torch.stack([row, row])),
+        mock.patch.object(distributed.dist, "all_reduce", lambda t, group=None: t.mul_(2)),
+        mock.patch.object(modules.nn, "active_process_group", lambda process_group, label: group),
+    ]
+    for patch in patches:
+        patch.start()
+    try:
+        result = {}
+        for mode in ("layer", "step"):
+            os.environ[checks.CHECKS_ENV] = mode
+            timers = {depth: step_of(stack(NN.SyncBatchNorm2d, depth), SHAPE[0]) for depth in (1, DEEP)}
+            t = interleaved(timers, min_run_time, rounds)
+            checks.check_pending()
+            result[mode] = per_layer(t[DEEP], t[1])
+        del os.environ[checks.CHECKS_ENV]
+    finally:
+        for patch in patches:
+            patch.stop()
+    t = interleaved({depth: step_of(stack(nn.BatchNorm2d, depth), SHAPE[0]) for depth in (1, DEEP)}, min_run_time, rounds)
+    result["torch"] = per_layer(t[DEEP], t[1])
+    return result
+
+
 def us(seconds: float) -> str:
     return f"{seconds * 1e6:.0f}"
 
@@ -237,6 +272,13 @@ def main() -> None:
                 f"our own part {us(own)} |"
             )
             print(lines[-1], flush=True)
+    free = free_collectives_row(min_run_time, rounds)
+    for mode, what in (("layer", "checks at the layer"), ("step", "checks deferred")):
+        lines.append(
+            f"| one process as a rank of 2 whose collectives cost nothing, {what} | {us(free[mode])} | {us(free['torch'])} | "
+            f"{us(free[mode] - free['torch'])}: our own part |"
+        )
+        print(lines[-1], flush=True)
     ours, theirs = resnet_row(4, min_run_time * 4, rounds)
     lines += [
         "",

@@ -55,11 +55,16 @@ def mark_ready(tensor: Tensor) -> "torch.cuda.Event | None":
 def fetch(tensor: Tensor, device: torch.device | str, ready: "torch.cuda.Event | None" = None) -> Tensor:
     """``tensor`` on ``device``: a copy that starts after ``ready`` (from :func:`mark_ready` on
     the producing thread) and keeps the source's memory until it has run; non-blocking for the
-    host between GPUs; ``tensor`` itself when it is already there."""
+    host between GPUs; ``tensor`` itself when it is already there, after ``ready`` on this
+    thread's current stream (replicas on one GPU may run on different streams)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if tensor.device == device:
+        if ready is not None:  # replicas on one GPU may run on different streams
+            reading = torch.cuda.current_stream(device)
+            reading.wait_event(ready)
+            tensor.record_stream(reading)
         return tensor
     if tensor.device.type != "cuda":
         return tensor.to(device, non_blocking=device.type == "cuda")

@@ -174,7 +174,8 @@ def _forward_every_replica(
     count, mean, var = sync.merge_stats(local)
     update_running_stats(running, mean, var, count)
     mean_acc, invstd = reference.normalization(mean, var, eps, reference.accumulation_dtype(parts[0].x.dtype))
-    ready = devices.mark_ready(invstd)
+    # another replica's thread reads them on its stream (none: the only replica, on this thread)
+    ready = None if parts[0].stream is None else devices.mark_ready(invstd)
     results = []
     for part in parts:
         with devices.on_stream(part.stream):
@@ -313,7 +314,8 @@ def _global_sums(
 ) -> tuple[Tensor, Tensor, int | Tensor, object]:
     """The parts' (sum_dy, sum_dy_xmu) summed in replica order on the first part's device, then
     over the ranks, as backward_elemt takes them with ``count`` (divided by it here where it is a
-    device tensor), and an event after them for the parts on other devices."""
+    device tensor), and an event after them for the other replicas' streams (None where this is
+    the only replica: its own thread reads them)."""
     device = local[0][1].device
     sums_dy = [devices.fetch(sum_dy, device, ready) for _, sum_dy, _, ready in local]
     sums_dy_xmu = [devices.fetch(sum_dy_xmu, device, ready) for _, _, sum_dy_xmu, ready in local]
@@ -323,7 +325,8 @@ def _global_sums(
         total_dy, total_dy_xmu = sync.sum_over_ranks(total_dy, total_dy_xmu)
     if isinstance(count, Tensor):  # on the device: no host read of it
         total_dy, total_dy_xmu, count = reference.sums_per_value(total_dy, total_dy_xmu, count)
-    return total_dy, total_dy_xmu, count, devices.mark_ready(total_dy_xmu)
+    ready = None if local[0][3] is None else devices.mark_ready(total_dy_xmu)
+    return total_dy, total_dy_xmu, count, ready
 
 
 def native_serves() -> bool:

@@ -89,9 +89,18 @@ Ready mark_ready(const OptStream& stream) {
   return event;
 }
 
-// `t` on `device`, copied after `ready`, its memory kept until the copying stream has run.
+// `t` on `device`, usable on this thread's current stream there: copied (or, on its own device,
+// used) after `ready`, its memory kept until the stream that reads it has run (replicas on one
+// GPU may run on different streams).
 at::Tensor fetch(const at::Tensor& t, const at::Device& device, const Ready& ready) {
-  if (t.device() == device) return t;
+  if (t.device() == device) {
+    if (ready) {
+      const auto reading = *current_stream(device);
+      ready->block(reading);
+      t.record_stream(reading);
+    }
+    return t;
+  }
   if (t.device().is_cpu()) return t.to(device, /*non_blocking=*/true);
   const auto copying = *current_stream(t.device());
   if (ready) ready->block(copying);
