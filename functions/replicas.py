@@ -39,6 +39,8 @@ from . import backend
 
 TIMEOUT_ENV = "SYNCBN_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0
+MAX_TIMEOUT = 1e9
+"""Seconds: about 31 years, as good as no timeout; beyond, the waits' deadlines overflow."""
 NATIVE_SPIN_US = 50.0
 """How long a native waiter polls (yielding its core) before it sleeps: waking a sleeping thread
 costs tens of microseconds on a VM, more than a replica's post (benchmarks/bench_sync_overhead.py)."""
@@ -65,8 +67,8 @@ def resolve_timeout(timeout: float | None) -> float:
             timeout = float(raw)
         except ValueError:
             raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
-    if not timeout > 0:
-        raise ValueError(f"the replica timeout must be positive, got {timeout}")
+    if not 0 < timeout <= MAX_TIMEOUT:
+        raise ValueError(f"the replica timeout must be positive and at most {MAX_TIMEOUT:g} s, got {timeout}")
     return float(timeout)
 
 

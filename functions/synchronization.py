@@ -179,7 +179,10 @@ class Synchronizer:
 
     def fail(self, error: BaseException) -> None:
         """This replica failed during the call: release the other replicas of its round, and,
-        where this process has not joined the forward's collective yet, tell the other ranks."""
+        where this process has not joined the forward's collective yet, tell the other ranks.
+        Checkpoint's stop of a recomputation is control flow, not a failure."""
+        if type(error).__name__ == "_StopRecomputationError":  # torch.utils.checkpoint's, private
+            return
         if self.replica_call is not None:
             self.replica_call.round.abort(error, self.replica_call.index)
         if self.process_call is not None and not self._joined_collective and isinstance(error, Exception):

@@ -39,7 +39,13 @@ class ReplicaRound {
  public:
   ReplicaRound(int64_t size, double timeout_s, std::string layer, int64_t number, double spin_us)
       : size_(size), timeout_s_(timeout_s), spin_(std::chrono::duration<double, std::micro>(spin_us)),
-        layer_(std::move(layer)), number_(number) {}
+        layer_(std::move(layer)), number_(number) {
+    if (!(timeout_s > 0 && timeout_s <= kMaxTimeout) || size < 1) {
+      throw std::invalid_argument("ReplicaRound: needs size >= 1 and 0 < timeout <= 1e9 s");
+    }
+  }
+
+  static constexpr double kMaxTimeout = 1e9;  // seconds: a deadline in nanoseconds stays in int64
 
   int64_t size() const { return size_; }
 
@@ -58,6 +64,7 @@ class ReplicaRound {
                   const std::function<std::vector<Result>(std::vector<Part>&)>& combine) {
     const auto deadline = std::chrono::steady_clock::now() + timeout();
     std::unique_lock<std::mutex> lock(mutex_);
+    if (index < 0 || index >= size_) throw std::out_of_range("ReplicaRound: no replica " + std::to_string(index));
     auto& slots = slots_of<Part, Result>();
     auto& slot = slots[call];
     if (slot.parts.empty()) slot.parts.resize(size_);

@@ -81,9 +81,10 @@ OptStream current_stream(const at::Device& device) {
   return c10::impl::VirtualGuardImpl(device.type()).getStream(device);
 }
 
-// An event after the work queued so far on `stream` (none for the CPU).
+// An event after the work queued so far on `stream` (none off CUDA: as functions/devices.py, since
+// record_stream, which a fence pairs with, has CUDA kernels only).
 Ready mark_ready(const OptStream& stream) {
-  if (!stream) return nullptr;
+  if (!stream || stream->device_type() != c10::DeviceType::CUDA) return nullptr;
   auto event = std::make_shared<c10::Event>(stream->device_type());
   event->record(*stream);
   return event;
@@ -192,7 +193,8 @@ at::Tensor host_values_on(const std::vector<double>& values, const at::Device& d
 }
 
 // This process's ranks, as Python holds them (functions.synchronization.Synchronizer), or none.
-// Called with the GIL taken here; kept by the backward node, released under the GIL.
+// Made with the GIL held (the binding); its calls take the GIL; kept by the backward node and
+// released under the GIL.
 class Ranks {
  public:
   explicit Ranks(PyObject* sync) : sync_(sync) { Py_XINCREF(sync_); }
@@ -263,7 +265,9 @@ Normalization merge_replicas(std::vector<StatsPart>& parts, const MasterCall& ca
     }
   }
   const auto acc = parts[0].dtype == at::kDouble ? at::kDouble : at::kFloat;
-  return {mean.to(acc), (var + call.eps).rsqrt().to(acc), mark_ready(current_stream(device)), total};
+  // other replicas read these on their streams; the only one reads them on its own
+  const auto ready = parts.size() > 1 ? mark_ready(current_stream(device)) : nullptr;
+  return {mean.to(acc), (var + call.eps).rsqrt().to(acc), ready, total};
 }
 
 // One replica's (sum_dy, sum_dy_xmu), after the work that made them.
@@ -293,7 +297,7 @@ Sums sum_replicas(std::vector<SumsPart>& parts, const Ranks& ranks) {
     sums.sum_dy_xmu = at::stack(sums_dy_xmu).sum(0);
   }
   if (ranks) std::tie(sums.sum_dy, sums.sum_dy_xmu, sums.count) = ranks.sum(sums.sum_dy, sums.sum_dy_xmu);
-  sums.ready = mark_ready(current_stream(device));
+  if (parts.size() > 1) sums.ready = mark_ready(current_stream(device));
   return sums;
 }
 
@@ -325,31 +329,62 @@ Result meet(const std::shared_ptr<ReplicaRound>& round, const char* direction, i
 
 }  // namespace
 
-std::string failure_reason(int64_t index, const std::exception_ptr& error) {
-  std::string what;
+// The Python name and message of a C++ exception, as pybind11 and torch translate it.
+std::string describe(const std::exception_ptr& error) {
   try {
     std::rethrow_exception(error);
   } catch (const RoundBroken& broken) {
-    what = std::string(": ReplicaSyncError: ") + broken.what();
-  } catch (const python_error&) {
-    what = "";  // its message is in the error this replica raises
+    return std::string("ReplicaSyncError: ") + broken.what();
+  } catch (python_error& raised) {
+    pybind11::gil_scoped_acquire gil;
+    raised.persist();  // fetched already where it came through the engine; builds its message
+    const auto* type = reinterpret_cast<PyTypeObject*>(raised.type);
+    return std::string(type ? type->tp_name : "Exception") + ": " + raised.what();
   } catch (pybind11::error_already_set& raised) {
     pybind11::gil_scoped_acquire gil;
-    what = ": " + pybind11::str(raised.type().attr("__name__")).cast<std::string>() + ": " +
+    return pybind11::str(raised.type().attr("__name__")).cast<std::string>() + ": " +
            pybind11::str(raised.value()).cast<std::string>();
-  } catch (const std::invalid_argument& invalid) {  // pybind11 raises it as a ValueError
-    what = std::string(": ValueError: ") + invalid.what();
+  } catch (const c10::OutOfMemoryError& failed) {
+    return std::string("OutOfMemoryError: ") + failed.what_without_backtrace();
+  } catch (const c10::NotImplementedError& failed) {
+    return std::string("NotImplementedError: ") + failed.what_without_backtrace();
+  } catch (const c10::ValueError& failed) {
+    return std::string("ValueError: ") + failed.what_without_backtrace();
+  } catch (const c10::TypeError& failed) {
+    return std::string("TypeError: ") + failed.what_without_backtrace();
+  } catch (const c10::IndexError& failed) {
+    return std::string("IndexError: ") + failed.what_without_backtrace();
   } catch (const c10::Error& failed) {
-    what = std::string(": RuntimeError: ") + failed.what_without_backtrace();
+    return std::string("RuntimeError: ") + failed.what_without_backtrace();
+  } catch (const std::invalid_argument& invalid) {  // pybind11 raises it as a ValueError
+    return std::string("ValueError: ") + invalid.what();
+  } catch (const std::out_of_range& invalid) {  // and this as an IndexError
+    return std::string("IndexError: ") + invalid.what();
   } catch (const std::exception& failed) {
-    what = std::string(": RuntimeError: ") + failed.what();
-  } catch (...) {
-    what = ": an unknown C++ exception";
+    return std::string("RuntimeError: ") + failed.what();
   }
-  return "replica " + std::to_string(index) + " failed" + what;
+}
+
+std::string failure_reason(int64_t index, const std::exception_ptr& error) {
+  std::string what;
+  try {
+    what = describe(error);
+  } catch (...) {  // a message that cannot be printed must not keep the round from breaking
+    what = "an exception whose message could not be read";
+  }
+  return "replica " + std::to_string(index) + " failed: " + what;
 }
 
 namespace {
+
+// torch.utils.checkpoint's _StopRecomputationError: control flow, not a failure (non-reentrant
+// checkpointing stops a recomputation with it once the tensors it needs are saved).
+bool stops_recomputation(python_error& raised) {
+  pybind11::gil_scoped_acquire gil;
+  raised.persist();
+  const auto* type = reinterpret_cast<PyTypeObject*>(raised.type);
+  return type && std::string(type->tp_name) == "_StopRecomputationError";
+}
 
 // Run this replica's side of a call; its own failures break the round (if any) for the others.
 template <typename Work>
@@ -357,6 +392,9 @@ auto as_replica(ReplicaRound* round, int64_t index, Work work) -> decltype(work(
   try {
     return work();
   } catch (const RoundBroken&) {
+    throw;
+  } catch (python_error& raised) {
+    if (round && !stops_recomputation(raised)) round->abort(failure_reason(index, std::current_exception()));
     throw;
   } catch (...) {
     if (round) round->abort(failure_reason(index, std::current_exception()));
@@ -400,9 +438,11 @@ struct SyncBatchNormBackward : public torch::autograd::Node {
     TORCH_CHECK(!at::GradMode::is_enabled(), layer,
                 ": double backward (create_graph=True) through a layer synchronized across replicas or processes "
                 "is not supported; it is on one device in one process");
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    // unpacked with autograd on: an unpack hook may recompute a checkpointed region, which must
+    // record its graph (torch.utils.checkpoint with use_reentrant=False)
     const auto input = x.unpack(), mean_ = mean.unpack(), invstd_ = invstd.unpack();
     const auto weight_ = weight.unpack(), bias_ = bias.unpack(), residual_ = residual.unpack();
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
     const auto optional = [](const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; };
     auto dy = (grads[0].defined() ? grads[0] : at::zeros_like(input)).contiguous(memory_format_of(input));
     at::Tensor sum_dy, sum_dy_xmu;
@@ -417,7 +457,7 @@ struct SyncBatchNormBackward : public torch::autograd::Node {
     const std::function<std::vector<Sums>(std::vector<SumsPart>&)> combine = [this](std::vector<SumsPart>& parts) {
       return std::vector<Sums>(parts.size(), sum_replicas(parts, *ranks));
     };
-    const auto ready = mark_ready(current_stream(input.device()));
+    const auto ready = round ? mark_ready(current_stream(input.device())) : nullptr;
     const auto totals = meet<SumsPart, Sums>(round, "backward", call, index, SumsPart{sum_dy, sum_dy_xmu, ready}, combine);
     torch::autograd::variable_list result(4);
     if (task_should_compute_output(0)) {
@@ -456,15 +496,18 @@ at::Tensor sync_batch_norm(const std::shared_ptr<ReplicaRound>& round, int64_t i
                            const OptTensor& running_mean, const OptTensor& running_var,
                            const OptTensor& num_batches_tracked, std::optional<double> momentum, double eps,
                            const OptTensor& residual, std::optional<double> negative_slope, const std::string& layer,
-                           PyObject* sync) {
-  const auto ranks = std::make_shared<Ranks>(sync);
+                           const std::shared_ptr<Ranks>& ranks) {
   return as_replica(round.get(), index, [&] {
+    const auto dual = [](const OptTensor& t) { return torch::autograd::isFwGradDefined(t); };
+    TORCH_CHECK_NOT_IMPLEMENTED(!dual(input) && !dual(weight) && !dual(bias) && !dual(residual), layer,
+                                ": forward-mode AD (jvp) through a synchronized layer is not supported");
     at::Tensor x = input.contiguous(memory_format_of(input)), y;
     Normalization normalization;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       const auto [mean, m2] = ops().local_stats.call(x);
-      StatsPart part{mean, m2, mark_ready(current_stream(x.device())), x.scalar_type(), x.sizes().vec()};
+      const auto ready = round ? mark_ready(current_stream(x.device())) : nullptr;  // the master reads it
+      StatsPart part{mean, m2, ready, x.scalar_type(), x.sizes().vec()};
       const MasterCall master_call{running_mean, running_var, num_batches_tracked, momentum, eps, layer};
       const std::function<std::vector<Normalization>(std::vector<StatsPart>&)> combine =
           [&master_call, &ranks](std::vector<StatsPart>& parts) {
@@ -517,16 +560,23 @@ void bind_sync_batch_norm(pybind11::module_& m) {
          const OptTensor& num_batches_tracked, std::optional<double> momentum, double eps, const OptTensor& residual,
          std::optional<double> negative_slope, const std::string& layer, const py::object& sync) {
         std::optional<std::string> broken;
+        std::optional<python_error> raised;  // a Python exception, as it is (checkpoint's control flow too)
         at::Tensor y;
+        const auto ranks = std::make_shared<Ranks>(sync.is_none() ? nullptr : sync.ptr());  // with the GIL
         {
           py::gil_scoped_release no_gil;  // the wait, and the master's work, without the GIL
           try {
             y = sync_batch_norm(round, index, call, input, weight, bias, running_mean, running_var,
-                                num_batches_tracked, momentum, eps, residual, negative_slope, layer,
-                                sync.is_none() ? nullptr : sync.ptr());
+                                num_batches_tracked, momentum, eps, residual, negative_slope, layer, ranks);
           } catch (const RoundBroken& error) {
             broken = error.what();
+          } catch (python_error& error) {
+            raised.emplace(std::move(error));
           }
+        }
+        if (raised) {
+          raised->restore();
+          throw py::error_already_set();
         }
         if (broken) {
           PyErr_SetString(replica_sync_error, broken->c_str());

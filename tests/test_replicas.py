@@ -2,6 +2,7 @@
 calls that stock nn.DataParallel makes."""
 from __future__ import annotations
 
+import copy
 import gc
 import threading
 import time
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from functions import ReplicaSyncError, backend
-from functions.replicas import ReplicaRound
+from functions.replicas import ReplicaRound, resolve_timeout
 from helpers import replayed_replicas, run_threads, share_of_a_counting_thread, stock_replicas
 from modules import nn as NN
 from modules.parallel import ThreadedDataParallel
@@ -104,9 +105,13 @@ def test_timeout_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert time.monotonic() - start < 5
 
 
-def test_bad_timeout_values() -> None:
-    with pytest.raises(ValueError):
-        NN.SyncBatchNorm2d(3, timeout=0)
+def test_bad_timeout_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    for bad in (0, -1, float("nan"), float("inf"), 1e10):  # beyond 1e9 s the waits' deadlines overflow
+        with pytest.raises(ValueError):
+            NN.SyncBatchNorm2d(3, timeout=bad)
+    monkeypatch.setenv("SYNCBN_TIMEOUT", "inf")
+    with pytest.raises(ValueError, match="at most"):
+        resolve_timeout(None)
 
 
 def test_later_layer_failure_keeps_earlier_update() -> None:
@@ -395,3 +400,63 @@ def test_torch_replicate_still_has_the_loop_variable_that_round_detection_reads(
     stock_replicas(nn.Sequential(Probe(), nn.Linear(2, 2)), 3)
     assert positions == [0, 1, 2]
     assert torch_replicate_position() is None  # not called from replicate()
+
+
+def exchange_path_of(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if path == "python":
+        monkeypatch.setattr(backend, "NATIVE_ROUNDS", None)
+    elif backend.NATIVE_ROUNDS is None:
+        pytest.skip("the compiled module is not loaded: the Python exchange serves")
+
+
+class Checkpointed(nn.Module):
+    """A linear layer and a batch norm, recomputed in backward (non-reentrant checkpointing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False).sin()
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_non_reentrant_checkpointing_recomputes_through_the_layer(monkeypatch, path: str, early_stop: bool) -> None:
+    # the recomputation runs in backward with autograd on, meets the other replicas again, and
+    # checkpoint's early stop (an exception raised while the layer saves) is no failure
+    exchange_path_of(path, monkeypatch)
+    torch.manual_seed(0)
+    ref = Checkpointed().double()
+    ours = NN.convert_sync_batchnorm(copy.deepcopy(ref))
+    runner = ThreadedDataParallel(ours, ["cpu"] * 2)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+        for _ in range(2):
+            x = torch.randn(6, 4, dtype=torch.float64)
+            xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+            yr, yo = ref(xr), runner(xo)
+            yr.square().sum().backward()
+            yo.square().sum().backward()
+            torch.testing.assert_close(yo, yr, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(xo.grad, xr.grad, rtol=1e-10, atol=1e-10)
+    for p, q in zip(ref.parameters(), ours.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-10)
+    for b, c in zip(ref.buffers(), ours.buffers()):
+        torch.testing.assert_close(c, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_forward_mode_ad_through_a_synchronized_layer_raises(monkeypatch, path: str) -> None:
+    exchange_path_of(path, monkeypatch)
+    replicas = stock_replicas(NN.SyncBatchNorm1d(3, timeout=30).double(), 2)
+
+    def replica(j: int):
+        x = torch.autograd.forward_ad.make_dual(torch.randn(4, 3, dtype=torch.float64), torch.ones(4, 3, dtype=torch.float64))
+        return replicas[j](x)
+
+    start = time.monotonic()
+    with torch.autograd.forward_ad.dual_level():  # one level for the process (levels are global)
+        results = run_threads([lambda j=j: replica(j) for j in range(2)])
+    assert time.monotonic() - start < 5  # never a silent tangent, never a hang
+    assert all(isinstance(r, (NotImplementedError, ReplicaSyncError)) for r in results), results
+    assert any(isinstance(r, NotImplementedError) for r in results)
