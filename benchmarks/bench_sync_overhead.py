@@ -47,7 +47,7 @@ from bench_cpu import cpu_model, publish  # noqa: E402
 from functions import backend, checks, distributed  # noqa: E402
 from functions.replicas import ReplicaRound  # noqa: E402
 from helpers import BasicBlock  # noqa: E402
-import modules.nn  # noqa: E402
+import modules.batchnorm  # noqa: E402
 from modules import nn as NN  # noqa: E402
 from modules.parallel import ThreadedDataParallel  # noqa: E402
 from testkit.local_group import run_local_group  # noqa: E402
@@ -209,7 +209,7 @@ def free_collectives_row(min_run_time: float, rounds: int) -> dict[str, float]:
         mock.patch.object(distributed.dist, "get_world_size", lambda group=None: 2),
         mock.patch.object(distributed, "_all_gather_rows", lambda row, group: torch.stack([row, row])),
         mock.patch.object(distributed.dist, "all_reduce", lambda t, group=None: t.mul_(2)),
-        mock.patch.object(modules.nn, "active_process_group", lambda process_group, label: group),
+        mock.patch.object(modules.batchnorm, "active_process_group", lambda process_group, label: group),
     ]
     for patch in patches:
         patch.start()

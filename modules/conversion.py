@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .nn import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d, _bias_kwarg
+from .batchnorm import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d, _bias_kwarg
 
 _TO_SYNC: dict[type, type[SyncBatchNorm]] = {
     nn.BatchNorm1d: SyncBatchNorm1d,

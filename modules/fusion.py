@@ -10,7 +10,7 @@ from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .conversion import _TO_SYNC, _TO_TORCH, _convert, _layer_args, _move_state
-from .nn import SyncBatchNorm
+from .batchnorm import SyncBatchNorm
 
 _ACTIVATION_MODULES = {nn.ReLU: "relu", nn.LeakyReLU: "leaky_relu"}
 _RELU_FUNCTIONS = {F.relu, torch.relu, torch.relu_, getattr(F, "relu_", F.relu)}

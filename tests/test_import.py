@@ -105,3 +105,33 @@ def test_imported_after_init_process_group_every_rank_exits_cleanly() -> None:
     with ThreadPoolExecutor(3) as pool:
         codes = [code for run in pool.map(lambda _: two_ranks_step_and_exit(), range(12)) for code in run]
     assert codes == [0] * 24, f"exit codes of 12 runs of 2 ranks: {codes}"
+
+
+def test_imports_go_one_way() -> None:
+    # modules -> functions, never back; modules/nn.py is the facade users import, and no file of
+    # the library imports it (so none imports a module that imports it back)
+    import ast
+
+    def imported(package: str, path: str) -> set[str]:
+        """Every module name a file imports, relative imports resolved, ``from a import b`` as
+        both ``a`` and ``a.b`` (b may be a submodule)."""
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = package + (f".{base}" if base else "")
+                names.add(base)
+                names.update(f"{base}.{alias.name}" for alias in node.names)
+        return names
+
+    for package in ("modules", "functions"):
+        for name in sorted(os.listdir(os.path.join(ROOT, package))):
+            if not name.endswith(".py") or name in ("nn.py", "__init__.py"):  # the facades
+                continue
+            names = imported(package, os.path.join(ROOT, package, name))
+            assert "modules.nn" not in names, f"{package}/{name} imports the facade modules/nn.py"
+            if package == "functions":
+                assert not any(n.split(".")[0] == "modules" for n in names), f"functions/{name} imports modules"

@@ -69,7 +69,7 @@ def test_route_follows_the_measured_table(monkeypatch: pytest.MonkeyPatch) -> No
         assert grad_fn_name(frozen_fused, large) == "FrozenBatchNormFunctionBackward"
         # other dtypes are other cases: not measured here, so torch's
         assert grad_fn_name(NN.BatchNorm2d(3).double(), large.double()) == "NativeBatchNormBackward0"
-        # the cumulative average takes our operators whatever the table says (see modules/nn.py)
+        # the cumulative average takes our operators whatever the table says (see modules/batchnorm.py)
         cumulative = NN.BatchNorm2d(3, momentum=None)
         assert grad_fn_name(cumulative, small) == "SyncBatchNormFunctionBackward"
         # plain eval is torch's eval-mode batch norm, bit-exact

@@ -1,0 +1,352 @@
+"""The synchronized batch norm layers, drop-in for ``nn.BatchNorm1d/2d/3d``. Users import them
+from :mod:`modules.nn` (with the converters and the fusion pass); this file imports neither.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from functions import frozen_batch_norm, sync_batch_norm
+from functions.sync_batchnorm import native_serves, native_sync_batch_norm
+from functions.lone_replica import takes_our_kernels
+from functions.distributed import ProcessGroupSync, active_process_group, consecutive_rank_groups
+from functions.reference import values_per_channel
+from functions.stats import check_values_per_channel
+from functions.synchronization import Synchronizer
+from functions.replicas import REPLICA_ATTR, ReplicaHandle, RoundTracker, resolve_timeout
+
+from .compiler import disable_when_compiling
+
+__all__ = [
+    "SyncBatchNorm",
+    "SyncBatchNorm1d",
+    "SyncBatchNorm2d",
+    "SyncBatchNorm3d",
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
+    "consecutive_rank_groups",
+]
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+ACTIVATIONS = (None, "relu", "leaky_relu")
+"""What ``activation=`` takes: none, ReLU, or LeakyReLU with ``negative_slope``."""
+_TORCH_BN_TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
+
+
+def _bias_kwarg(bias: bool) -> dict[str, bool]:
+    """``bias=`` for torch's batch norm constructors, where the installed torch has it."""
+    return {"bias": bias} if _TORCH_BN_TAKES_BIAS else {}
+
+
+class SyncBatchNorm(_BatchNorm):
+    r"""Batch norm whose training statistics cover the whole batch, however it is split, with
+    an optional fused residual and activation, and an optional frozen mode.
+
+    .. math::
+        y = \mathrm{act}\left(\frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot \gamma + \beta + z\right)
+
+    Mean and (biased) variance are taken per channel over the batch and spatial dims of every
+    replica's input together when the layer runs as ``nn.DataParallel`` or
+    :class:`~modules.parallel.ThreadedDataParallel` replicas, and of every rank's input when
+    ``process_group`` is given or the default ``torch.distributed`` group has more than one
+    rank (DDP; both levels at once too); on one device in one process it is exactly
+    ``nn.BatchNorm*`` (through ``F.batch_norm``). Running statistics are updated once per step
+    with the unbiased variance, as ``nn.BatchNorm*`` does on the full batch, identically on
+    every rank. Eval never communicates (as ``nn.SyncBatchNorm``): each replica and rank uses its
+    running statistics, or without them its own batch's.
+
+    ``forward(x, z=None)``: ``z`` (shaped and typed as ``x``) is added before the activation,
+    ``act`` is ``activation`` (identity when None); both fused into the one elementwise pass
+    of forward and of backward (the backward recomputes act's input from ``x``, ``z`` and the
+    statistics). A frozen layer (``frozen=True`` or :meth:`freeze`) normalizes with its running
+    statistics in training too, never updates them and never communicates, while weight and
+    bias still train: ``nn.BatchNorm*`` in eval mode, whatever the layer's training flag.
+
+    Args:
+        num_features: C, the size of dim 1 of the input.
+        eps: added to the variance for numerical stability; must be positive. Default: 1e-5
+        momentum: weight of the batch statistics in the running statistics, or None for the
+            cumulative average. Default: 0.1
+        affine: learn a per-channel weight (and bias). Default: True
+        track_running_stats: keep running statistics; without them batch statistics are
+            used in eval mode too (each replica's and rank's own, never synchronized). Default: True
+        process_group: the ``torch.distributed`` group to sync over; None: the default group
+            when it is initialized with more than one rank. Every rank of the group must call
+            the layer the same number of times, in the same order. A rank that never arrives
+            is covered by the group's own timeout (``init_process_group(timeout=...)``,
+            ``new_group(timeout=...)``). Default: None
+        timeout: seconds a replica waits for the other replicas in its process before raising
+            :class:`~functions.ReplicaSyncError`. Default: ``$SYNCBN_TIMEOUT``, else 60.
+        bias: learn a bias (with ``affine``). Default: True
+        frozen: normalize with the running statistics, never update or sync them (needs
+            ``track_running_stats``). Not part of the state_dict. Default: False
+        activation: ``None``, ``'relu'`` or ``'leaky_relu'``, applied after the residual.
+            Default: None
+        negative_slope: the slope below 0 of ``'leaky_relu'``. Default: 0.01
+
+    Shape: input ``(N, C, *)`` of rank >= 2 (the 1d/2d/3d classes check the rank as
+    ``nn.BatchNorm*d`` do); ``z`` the same; output the same shape, dtype and memory format.
+    """
+
+    _expected_ranks: tuple[int, ...] | None = None
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: Any | None = None,
+        timeout: float | None = None,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        *,
+        bias: bool = True,
+        frozen: bool = False,
+        activation: str | None = None,
+        negative_slope: float = 0.01,
+    ) -> None:
+        if not (isinstance(num_features, int) and num_features > 0):
+            raise ValueError(f"num_features must be a positive int, got {num_features!r}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if timeout is not None:
+            resolve_timeout(timeout)
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, **_bias_kwarg(bias)
+        )
+        if not bias and not _TORCH_BN_TAKES_BIAS:
+            self.register_parameter("bias", None)  # torch < 2.13 has no bias argument
+        self.process_group = process_group
+        self.timeout = timeout
+        self.activation = activation
+        self.negative_slope = float(negative_slope)
+        self.layer_name: str | None = None
+        self.frozen = False
+        if frozen:
+            self.freeze()
+        self._round_tracker = RoundTracker()
+        self._process_sync = ProcessGroupSync()
+        setattr(self, REPLICA_ATTR, None)
+
+    def _label(self) -> str:
+        name = f" '{self.layer_name}'" if self.layer_name else ""
+        return f"{type(self).__name__}({self.num_features}){name}"
+
+    def extra_repr(self) -> str:
+        extra = [f"timeout={self.timeout}"] if self.timeout is not None else []
+        extra += ["frozen=True"] if self.frozen else []
+        if self.activation is not None:
+            extra.append(f"activation={self.activation!r}")
+        if self.activation == "leaky_relu":
+            extra.append(f"negative_slope={self.negative_slope}")
+        return ", ".join([super().extra_repr(), *extra])
+
+    def freeze(self) -> "SyncBatchNorm":
+        """Normalize with the running statistics from now on, in training too; never update
+        them, never communicate. Weight and bias keep their ``requires_grad``. Returns self."""
+        if self.running_mean is None or self.running_var is None:
+            raise ValueError(f"{self._label()}: a frozen batch norm needs running statistics (track_running_stats=True)")
+        self.frozen = True
+        return self
+
+    def unfreeze(self) -> "SyncBatchNorm":
+        """Back to batch statistics in training (and running-statistics updates). Returns self."""
+        self.frozen = False
+        return self
+
+    def _negative_slope(self) -> float | None:
+        """The fused activation as the kernels take it: None (none), 0.0 (ReLU) or the slope."""
+        return {None: None, "relu": 0.0, "leaky_relu": self.negative_slope}[self.activation]
+
+    def _fuses(self, z: Tensor | None) -> bool:
+        """Whether this call has a residual or an activation to fuse."""
+        return z is not None or self.activation is not None
+
+    def _activate(self, y: Tensor, z: Tensor | None) -> Tensor:
+        """act(y + z) through autograd, unfused: where torch's own batch norm serves."""
+        if z is not None:
+            y = y + z
+        if self.activation == "relu":
+            return F.relu(y)
+        if self.activation == "leaky_relu":
+            return F.leaky_relu(y, self.negative_slope)
+        return y
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        ranks = self._expected_ranks
+        if ranks is None and input.dim() < 2:
+            raise ValueError(f"{self._label()}: expected at least 2D input (got {input.dim()}D input)")
+        if ranks is not None and input.dim() not in ranks:
+            expected = " or ".join(f"{r}D" for r in ranks)
+            raise ValueError(f"{self._label()}: expected {expected} input (got {input.dim()}D input)")
+
+    def _check_input(self, input: Tensor, z: Tensor | None = None) -> None:
+        """Everything that can be wrong with the input, checked before any state changes."""
+        self._check_input_dim(input)
+        if z is not None:
+            self._check_residual(input, z)
+        if input.size(1) != self.num_features:
+            raise RuntimeError(
+                f"{self._label()}: expected {self.num_features} channels in dim 1, "
+                f"got input of size {tuple(input.shape)}"
+            )
+        if not input.dtype.is_floating_point:  # the dtype's flag: no call into torch
+            raise RuntimeError(f"{self._label()}: expected a floating point input, got {input.dtype}")
+        # one parameter or buffer stands for all of them: this runs on every call
+        name, tensor = ("weight", self.weight) if self.affine else ("running_mean", self.running_mean)
+        if tensor is None:
+            return
+        if tensor.device != input.device:
+            raise RuntimeError(f"{self._label()}: input is on {input.device} but {name} is on {tensor.device}")
+        if tensor.dtype != input.dtype and not (input.dtype in _HALF_DTYPES and tensor.dtype == torch.float32):
+            raise RuntimeError(
+                f"{self._label()}: input of {input.dtype} needs {name} of the same dtype "
+                f"(or float32 for half inputs), got {tensor.dtype}"
+            )
+
+    def _check_residual(self, input: Tensor, z: Tensor) -> None:
+        if not isinstance(z, Tensor):
+            raise TypeError(f"{self._label()}: the residual z must be a Tensor, got {type(z).__name__}")
+        if z.shape != input.shape or z.dtype != input.dtype or z.device != input.device:
+            raise RuntimeError(
+                f"{self._label()}: the residual z must match the input, got z of size {tuple(z.shape)}, "
+                f"{z.dtype} on {z.device} for input of size {tuple(input.shape)}, {input.dtype} on {input.device}"
+            )
+
+    def _replicate_for_data_parallel(self):
+        replica = super()._replicate_for_data_parallel()
+        handle = self._round_tracker.join(replica, self._label(), resolve_timeout(self.timeout))
+        setattr(replica, REPLICA_ATTR, handle)
+        return replica
+
+    def forward(self, input: Tensor, z: Tensor | None = None) -> Tensor:
+        if isinstance(input, torch.fx.Proxy):
+            return self._record_fx_call(input, z)
+        return self._forward(input, z)
+
+    def _record_fx_call(self, input: torch.fx.Proxy, z: Any) -> torch.fx.Proxy:
+        """Under torch.fx symbolic tracing: one ``call_module`` node, as for torch's batch norm
+        (a leaf: rank checks and routing read values that a Proxy does not have)."""
+        tracer = input.tracer
+        args = (input,) if z is None else (input, z)
+        return tracer.create_proxy("call_module", tracer.path_of_module(self), args, {})
+
+    def _forward(self, input: Tensor, z: Tensor | None) -> Tensor:
+        """The one place where a call picks its path."""
+        uses_batch_stats = not self.frozen and (
+            self.training or (self.running_mean is None and self.running_var is None)
+        )
+        if not uses_batch_stats:
+            return self._forward_fixed_stats(input, z)
+        if not self.eps > 0:  # as F.batch_norm: batch statistics need it, fixed ones do not
+            raise ValueError(f"{self._label()}: batch_norm eps must be positive during training, but got {self.eps}")
+        # batch statistics are global in training only: in eval each replica and each rank uses
+        # its own batch and never waits for the others (as nn.SyncBatchNorm's need_sync)
+        handle: ReplicaHandle | None = getattr(self, REPLICA_ATTR)
+        group = active_process_group(self.process_group, self._label) if self.training else None
+        syncs_replicas = self.training and handle is not None and handle.round.size > 1
+        syncs_processes = group is not None
+        if syncs_replicas or syncs_processes:
+            return self._forward_synced(input, z, handle if syncs_replicas else None, group)
+        self._check_input(input, z)
+        # torch's own batch norm where it beats our kernels (measured: functions/lone_replica.py);
+        # not for the cumulative average (momentum=None), whose factor torch reads on the host (a
+        # sync on CUDA, and a value that torch.compile(fullgraph=True) and torch.export cannot
+        # trace), and ours does not
+        takes_torch_kernels = self.momentum is not None and not takes_our_kernels(
+            input, fixed_stats=False, fused=self._fuses(z)
+        )
+        if takes_torch_kernels:
+            if values_per_channel(input) == 1:  # the label is made only then: this is the hot path
+                check_values_per_channel(1, self._label(), [input.shape])
+            return self._activate(self._torch_batch_norm_train(input), z)
+        return self._batch_stats(sync_batch_norm, input, z, sync=None)
+
+    def _torch_batch_norm_train(self, input: Tensor) -> Tensor:
+        """``nn.BatchNorm*.forward`` in training with ``momentum`` set, less the checks that
+        :meth:`_check_input` has made: the lone replica's fixed cost is mostly such Python."""
+        tracks = self.track_running_stats
+        if tracks and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        running_mean, running_var = (self.running_mean, self.running_var) if tracks else (None, None)
+        return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, True, self.momentum, self.eps)
+
+    def _forward_synced(self, input: Tensor, z: Tensor | None, handle: ReplicaHandle | None, group: Any) -> Tensor:
+        """Replicas (``handle``) and/or ranks (``group``) exchange statistics, eagerly:
+        torch.compile breaks the graph here (:func:`~modules.compiler.disable_when_compiling`)."""
+        device = self.weight.device if self.weight is not None else input.device
+        sync = Synchronizer.for_call(handle, group, self._process_sync, self._label(), self.num_features, device)
+        try:
+            self._check_input(input, z)
+            function = native_sync_batch_norm if native_serves() else sync_batch_norm
+            return self._batch_stats(function, input, z, sync=sync)
+        except BaseException as error:
+            sync.fail(error)
+            raise
+
+    def _batch_stats(self, function: Any, input: Tensor, z: Tensor | None, **meeting: Any) -> Tensor:
+        """``function`` (:func:`~functions.sync_batch_norm` or
+        :func:`~functions.sync_batchnorm.native_sync_batch_norm`) on this layer's state, with
+        ``meeting`` (its ``sync``)."""
+        updates = self.training and self.track_running_stats
+        return function(
+            input,
+            self.running_mean if updates else None,
+            self.running_var if updates else None,
+            self.weight,
+            self.bias,
+            self.momentum,
+            self.eps,
+            num_batches_tracked=self.num_batches_tracked if updates else None,
+            layer=self._label(),
+            residual=z,
+            negative_slope=self._negative_slope(),
+            **meeting,
+        )
+
+    def _forward_fixed_stats(self, input: Tensor, z: Tensor | None) -> Tensor:
+        """Frozen, or eval with running statistics: no update, no communication."""
+        self._check_input(input, z)
+        fused = self._fuses(z)
+        plain_eval = not self.frozen and not fused
+        if plain_eval or not takes_our_kernels(input, fixed_stats=True, fused=fused):
+            # torch's own eval-mode batch norm (bit-exact, double-differentiable), act unfused
+            y = F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+            return self._activate(y, z)
+        return frozen_batch_norm(
+            input, self.running_mean, self.running_var, self.weight, self.bias, self.eps, z, self._negative_slope()
+        )
+
+
+disable_when_compiling(SyncBatchNorm, "_forward_synced")
+
+
+class SyncBatchNorm1d(SyncBatchNorm):
+    """:class:`SyncBatchNorm` for ``(N, C)`` or ``(N, C, L)`` input, as ``nn.BatchNorm1d``."""
+
+    _expected_ranks = (2, 3)
+
+
+class SyncBatchNorm2d(SyncBatchNorm):
+    """:class:`SyncBatchNorm` for ``(N, C, H, W)`` input, as ``nn.BatchNorm2d``."""
+
+    _expected_ranks = (4,)
+
+
+class SyncBatchNorm3d(SyncBatchNorm):
+    """:class:`SyncBatchNorm` for ``(N, C, D, H, W)`` input, as ``nn.BatchNorm3d``."""
+
+    _expected_ranks = (5,)
+
+
+BatchNorm1d = SyncBatchNorm1d
+BatchNorm2d = SyncBatchNorm2d
+BatchNorm3d = SyncBatchNorm3d
