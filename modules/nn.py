@@ -7,6 +7,7 @@ A facade: the layers are in :mod:`modules.batchnorm`, the converters in
 :mod:`modules.conversion`, the fusion pass in :mod:`modules.fusion`; none of them imports this
 module.
 """
+from . import batchnorm
 from .batchnorm import (
     BatchNorm1d,
     BatchNorm2d,
@@ -20,17 +21,4 @@ from .batchnorm import (
 from .conversion import convert_sync_batchnorm, freeze_batchnorm, revert_sync_batchnorm
 from .fusion import fuse_bn_act
 
-__all__ = [
-    "SyncBatchNorm",
-    "SyncBatchNorm1d",
-    "SyncBatchNorm2d",
-    "SyncBatchNorm3d",
-    "BatchNorm1d",
-    "BatchNorm2d",
-    "BatchNorm3d",
-    "consecutive_rank_groups",
-    "convert_sync_batchnorm",
-    "freeze_batchnorm",
-    "fuse_bn_act",
-    "revert_sync_batchnorm",
-]
+__all__ = [*batchnorm.__all__, "convert_sync_batchnorm", "freeze_batchnorm", "fuse_bn_act", "revert_sync_batchnorm"]
