@@ -124,7 +124,7 @@ class SyncBatchNormFunction(Function):
         else:
             part = _BackwardPart(dy, x, mean, invstd, weight, bias, residual, wants, sync.stream_for(x.device))
             # the master's sync holds the global count, and joins the all_reduce
-            grads = sync.on_master("backward", part, lambda parts: _backward_every_replica(parts, sync.count, sync, slope))
+            grads = sync.on_master("backward", part, lambda parts: _backward_every_replica(parts, None, sync, slope))
         grad_input, grad_weight, grad_bias, grad_residual = grads
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, grad_residual, None
 
@@ -186,11 +186,11 @@ def _forward_every_replica(
 
 
 def _backward_every_replica(
-    parts: list[_BackwardPart], count: int | Tensor, sync: Synchronizer | None, negative_slope: float | None
+    parts: list[_BackwardPart], count: int | None, sync: Synchronizer | None, negative_slope: float | None
 ) -> list[tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]]:
     """On the master, for every replica's part: ``dy`` through the activation (if any) and its
     local (sum_dy, sum_dy_xmu); those summed over the replicas and ranks (``count`` values per
-    channel in all, an int or a 0-dim device tensor); each part's input gradient from the totals,
+    channel without a ``sync``, else the sync's total); each part's input gradient from the totals,
     and its weight, bias and residual gradients from its own sums. Returns the four gradients per
     part (None where not wanted)."""
     local = []
@@ -310,21 +310,19 @@ def sync_batch_norm(
 
 
 def _global_sums(
-    local: list[tuple[Tensor, Tensor, Tensor, object]], count: int | Tensor, sync: Synchronizer | None
-) -> tuple[Tensor, Tensor, int | Tensor, object]:
+    local: list[tuple[Tensor, Tensor, Tensor, object]], count: int | None, sync: Synchronizer | None
+) -> tuple[Tensor, Tensor, int | None, object]:
     """The parts' (sum_dy, sum_dy_xmu) summed in replica order on the first part's device, then
-    over the ranks, as backward_elemt takes them with ``count`` (divided by it here where it is a
-    device tensor), and an event after them for the other replicas' streams (None where this is
-    the only replica: its own thread reads them)."""
+    over the ranks (:meth:`Synchronizer.sum_with_ranks`), as backward_elemt takes them with the
+    count returned (``count`` without a ``sync``), and an event after them for the other
+    replicas' streams (None where this is the only replica: its own thread reads them)."""
     device = local[0][1].device
     sums_dy = [devices.fetch(sum_dy, device, ready) for _, sum_dy, _, ready in local]
     sums_dy_xmu = [devices.fetch(sum_dy_xmu, device, ready) for _, _, sum_dy_xmu, ready in local]
     total_dy = sums_dy[0] if len(sums_dy) == 1 else torch.stack(sums_dy).sum(0)
     total_dy_xmu = sums_dy_xmu[0] if len(sums_dy_xmu) == 1 else torch.stack(sums_dy_xmu).sum(0)
-    if sync is not None:
-        total_dy, total_dy_xmu = sync.sum_over_ranks(total_dy, total_dy_xmu)
-    if isinstance(count, Tensor):  # on the device: no host read of it
-        total_dy, total_dy_xmu, count = reference.sums_per_value(total_dy, total_dy_xmu, count)
+    if sync is not None:  # the count is the sync's own total
+        total_dy, total_dy_xmu, count = sync.sum_with_ranks(total_dy, total_dy_xmu)
     ready = None if local[0][3] is None else devices.mark_ready(total_dy_xmu)
     return total_dy, total_dy_xmu, count, ready
 

@@ -157,9 +157,9 @@ class Synchronizer:
         return mean, var
 
     def sum_with_ranks(self, sum_dy: Tensor, sum_dy_xmu: Tensor) -> tuple[Tensor, Tensor, int]:
-        """On the process master, called by the native path's backward: the process's sums over
-        every rank, as backward_elemt takes them with the count returned (divided by the count
-        here where it is a device tensor: deferred checks)."""
+        """On the master (the native path's backward, and the Python path's): the process's sums
+        over every rank, as backward_elemt takes them with the count returned (divided by the
+        count here where it is a device tensor: deferred checks)."""
         total_dy, total_dy_xmu = self.sum_over_ranks(sum_dy, sum_dy_xmu)
         assert self.count is not None
         if isinstance(self.count, Tensor):
@@ -191,12 +191,13 @@ class Synchronizer:
 
 
 def _on_one_device(parts: list[LocalStats]) -> list[LocalStats]:
-    """The parts with their mean and M2 on the first part's device, each copied after the work
-    that produced it."""
+    """The parts with their mean and M2 on the first part's device, each copied (or, already
+    there, read: replicas on one GPU may run on different streams) after the work that produced
+    it."""
     device = parts[0].mean.device
     return [
         part
-        if part.mean.device == device
+        if part.mean.device == device and part.ready is None
         else dataclasses.replace(part, mean=devices.fetch(part.mean, device, part.ready), m2=devices.fetch(part.m2, device, part.ready))
         for part in parts
     ]
