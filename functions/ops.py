@@ -13,8 +13,10 @@ declared once here, and what every device gets whatever was built.
 - A vmap rule of each (:func:`register_vmap_rules`) folds the vmapped dimension into the
   channels, as functorch's own batch-norm rule does, so that torch.func.vmap works.
 
-The operators have no autograd formula of their own: :class:`functions.SyncBatchNormFunction`
-and :class:`functions.FrozenBatchNormFunction` are their autograd. Called through the
+The operators have no autograd formula of their own: :class:`functions.SyncBatchNormFunction`,
+:class:`functions.FrozenBatchNormFunction` and :class:`functions.InPlaceABNFunction` are their
+autograd. The in-place ones (``abn_*``) have no vmap rule: torch.func.vmap over an in-place
+layer is not supported. Called through the
 dispatcher, the compiled kernels run without the GIL.
 """
 from __future__ import annotations
@@ -54,6 +56,20 @@ SCHEMAS = {
         "(Tensor x, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
         "Tensor(c!)? num_batches_tracked, float? momentum, float eps, Tensor? residual=None, "
         "float? negative_slope=None) -> (Tensor y, Tensor mean, Tensor invstd)"
+    ),
+    # in-place activated batch norm (modules/inplace_abn.py): x is written over, the backward
+    # reads the output y and dy only
+    "abn_forward_": (
+        "(Tensor(a!) x, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, float eps, str activation, "
+        "float activation_param) -> ()"
+    ),
+    "abn_backward_reduce": (
+        "(Tensor y, Tensor dy, Tensor? weight, Tensor? bias, float eps, str activation, float activation_param) "
+        "-> (Tensor sum_dz, Tensor sum_xhat_dz)"
+    ),
+    "abn_backward_elemt": (
+        "(Tensor y, Tensor dy, Tensor invstd, Tensor? weight, Tensor? bias, float eps, str activation, "
+        "float activation_param, Tensor? sum_dz, Tensor? sum_xhat_dz, SymInt count) -> Tensor"
     ),
 }
 """Schema of each operator. Per-channel outputs are ``(C,)``; full-size ones are shaped as
@@ -124,6 +140,24 @@ def _batch_norm_train_fake(
 ) -> tuple[Tensor, Tensor, Tensor]:
     acc = accumulation_dtype(x.dtype)
     return _full_size_like(x), _per_channel(x, acc), _per_channel(x, acc)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::abn_forward_")
+def _abn_forward_fake(x, mean, invstd, weight, bias, eps, activation, activation_param) -> None:
+    return None
+
+
+@torch.library.register_fake(f"{NAMESPACE}::abn_backward_reduce")
+def _abn_backward_reduce_fake(y, dy, weight, bias, eps, activation, activation_param) -> tuple[Tensor, Tensor]:
+    acc = accumulation_dtype(y.dtype)
+    return _per_channel(y, acc), _per_channel(y, acc)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::abn_backward_elemt")
+def _abn_backward_elemt_fake(
+    y, dy, invstd, weight, bias, eps, activation, activation_param, sum_dz, sum_xhat_dz, count
+) -> Tensor:
+    return _full_size_like(y)
 
 
 def affine_act_grads(outputs: tuple[Tensor, Tensor, Tensor, Tensor], input_grad: bool, residual_grad: bool, sums: bool):

@@ -43,7 +43,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_train(
 }  // namespace syncbn
 
 // Registers (in a file that includes <torch/library.h>) the kernels of namespace NS (local_stats, merge_stats, elemt_forward,
-// backward_reduce, backward_elemt, backward_affine_act) and the composite operators for the
+// backward_reduce, backward_elemt, backward_affine_act, abn_*) and the composite operators for the
 // dispatch key KEY (CPU, CUDA).
 #define SYNCBN_REGISTER_KERNELS(KEY, NS)                                    \
   TORCH_LIBRARY_IMPL(syncbn, KEY, m) {                                      \
@@ -53,6 +53,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_train(
     m.impl("backward_reduce", TORCH_FN(NS::backward_reduce));               \
     m.impl("backward_elemt", TORCH_FN(NS::backward_elemt));                 \
     m.impl("backward_affine_act", TORCH_FN(NS::backward_affine_act));       \
+    m.impl("abn_forward_", TORCH_FN(NS::abn_forward_));                     \
+    m.impl("abn_backward_reduce", TORCH_FN(NS::abn_backward_reduce));       \
+    m.impl("abn_backward_elemt", TORCH_FN(NS::abn_backward_elemt));         \
     m.impl("update_running_stats", TORCH_FN(syncbn::update_running_stats)); \
     m.impl("batch_norm_train", TORCH_FN(syncbn::batch_norm_train));         \
   }
