@@ -25,7 +25,7 @@ kernels in its own thread, no Python in the backward but the ranks' collective).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -129,6 +129,13 @@ class SyncBatchNormFunction(Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, grad_residual, None
 
 
+class _StatsPart(Protocol):
+    """What :func:`normalization_every_replica` reads of a replica's part."""
+
+    x: Tensor
+    stream: "torch.cuda.Stream | None"
+
+
 class _ForwardPart(NamedTuple):
     """One replica's share of a synchronized forward, and the stream it runs on."""
 
@@ -161,10 +168,24 @@ def _forward_every_replica(
     negative_slope: float | None,
     running: Running,
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """On the master, for every replica's part: its local (count, mean, M2), merged over the
-    replicas and ranks (:meth:`Synchronizer.merge_stats`); the running statistics updated once;
-    mean and invstd in the accumulation dtype, computed once and fetched to each part's device;
-    and each part's ``y``. Returns ``(y, mean, invstd)`` per part."""
+    """On the master, for every replica's part: the statistics over every replica and rank
+    (:func:`normalization_every_replica`), then each part's ``y``. Returns ``(y, mean, invstd)``
+    per part."""
+    results = []
+    for part, (mean, invstd) in zip(parts, normalization_every_replica(parts, sync, eps, running)):
+        with devices.on_stream(part.stream):
+            y = OVERLOADS.elemt_forward(part.x, mean, invstd, part.weight, part.bias, part.residual, negative_slope)
+        results.append((y, mean, invstd))
+    return results
+
+
+def normalization_every_replica(
+    parts: Sequence[_StatsPart], sync: Synchronizer, eps: float, running: Running
+) -> list[tuple[Tensor, Tensor]]:
+    """On the master, for every replica's part (its input ``x``, and its ``stream``): its local
+    (count, mean, M2), merged over the replicas and ranks (:meth:`Synchronizer.merge_stats`);
+    the running statistics updated once; mean and invstd in the accumulation dtype, computed
+    once and fetched to each part's device. Returns ``(mean, invstd)`` per part."""
     local = []
     for part in parts:
         with devices.on_stream(part.stream):
@@ -179,9 +200,7 @@ def _forward_every_replica(
     results = []
     for part in parts:
         with devices.on_stream(part.stream):
-            part_mean, part_invstd = devices.fetch(mean_acc, part.x.device, ready), devices.fetch(invstd, part.x.device, ready)
-            y = OVERLOADS.elemt_forward(part.x, part_mean, part_invstd, part.weight, part.bias, part.residual, negative_slope)
-        results.append((y, part_mean, part_invstd))
+            results.append((devices.fetch(mean_acc, part.x.device, ready), devices.fetch(invstd, part.x.device, ready)))
     return results
 
 
@@ -206,7 +225,7 @@ def _backward_every_replica(
                 )
             ready = None if part.stream is None else devices.mark_ready(sum_dy_xmu)
         local.append((dy, sum_dy, sum_dy_xmu, ready))
-    totals = _global_sums(local, count, sync) if any(part.wants[0] for part in parts) else None
+    totals = global_sums(local, count, sync) if any(part.wants[0] for part in parts) else None
     results = []
     for part, (dy, sum_dy, sum_dy_xmu, _) in zip(parts, local):
         wants_input, wants_weight, wants_bias, wants_residual = part.wants
@@ -309,7 +328,7 @@ def sync_batch_norm(
     return y
 
 
-def _global_sums(
+def global_sums(
     local: list[tuple[Tensor, Tensor, Tensor, object]], count: int | None, sync: Synchronizer | None
 ) -> tuple[Tensor, Tensor, int | None, object]:
     """The parts' (sum_dy, sum_dy_xmu) summed in replica order on the first part's device, then

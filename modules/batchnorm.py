@@ -241,21 +241,12 @@ class SyncBatchNorm(_BatchNorm):
 
     def _forward(self, input: Tensor, z: Tensor | None) -> Tensor:
         """The one place where a call picks its path."""
-        uses_batch_stats = not self.frozen and (
-            self.training or (self.running_mean is None and self.running_var is None)
-        )
-        if not uses_batch_stats:
+        if not self._uses_batch_stats():
             return self._forward_fixed_stats(input, z)
-        if not self.eps > 0:  # as F.batch_norm: batch statistics need it, fixed ones do not
-            raise ValueError(f"{self._label()}: batch_norm eps must be positive during training, but got {self.eps}")
-        # batch statistics are global in training only: in eval each replica and each rank uses
-        # its own batch and never waits for the others (as nn.SyncBatchNorm's need_sync)
-        handle: ReplicaHandle | None = getattr(self, REPLICA_ATTR)
-        group = active_process_group(self.process_group, self._label) if self.training else None
-        syncs_replicas = self.training and handle is not None and handle.round.size > 1
-        syncs_processes = group is not None
-        if syncs_replicas or syncs_processes:
-            return self._forward_synced(input, z, handle if syncs_replicas else None, group)
+        self._check_batch_eps()
+        meeting = self._meeting()
+        if meeting is not None:
+            return self._forward_synced(input, z, *meeting)
         self._check_input(input, z)
         # torch's own batch norm where it beats our kernels (measured: functions/lone_replica.py);
         # not for the cumulative average (momentum=None), whose factor torch reads on the host (a
@@ -269,6 +260,26 @@ class SyncBatchNorm(_BatchNorm):
                 check_values_per_channel(1, self._label(), [input.shape])
             return self._activate(self._torch_batch_norm_train(input), z)
         return self._batch_stats(sync_batch_norm, input, z, sync=None)
+
+    def _uses_batch_stats(self) -> bool:
+        """Batch statistics: in training unless frozen, and in eval without running statistics."""
+        return not self.frozen and (self.training or (self.running_mean is None and self.running_var is None))
+
+    def _check_batch_eps(self) -> None:
+        if not self.eps > 0:  # as F.batch_norm: batch statistics need it, fixed ones do not
+            raise ValueError(f"{self._label()}: batch_norm eps must be positive during training, but got {self.eps}")
+
+    def _meeting(self) -> tuple[ReplicaHandle | None, Any] | None:
+        """Whom this call's batch statistics meet: (this replica's handle where the process has
+        other replicas, the process group where there are other ranks), or None (no one).
+        Batch statistics are global in training only: in eval each replica and each rank uses
+        its own batch and never waits for the others (as nn.SyncBatchNorm's need_sync)."""
+        handle: ReplicaHandle | None = getattr(self, REPLICA_ATTR)
+        group = active_process_group(self.process_group, self._label) if self.training else None
+        syncs_replicas = self.training and handle is not None and handle.round.size > 1
+        if not syncs_replicas and group is None:
+            return None
+        return handle if syncs_replicas else None, group
 
     def _torch_batch_norm_train(self, input: Tensor) -> Tensor:
         """``nn.BatchNorm*.forward`` in training with ``momentum`` set, less the checks that
@@ -286,11 +297,16 @@ class SyncBatchNorm(_BatchNorm):
         sync = Synchronizer.for_call(handle, group, self._process_sync, self._label(), self.num_features, device)
         try:
             self._check_input(input, z)
-            function = native_sync_batch_norm if native_serves() else sync_batch_norm
-            return self._batch_stats(function, input, z, sync=sync)
+            return self._synced(input, z, sync)
         except BaseException as error:
             sync.fail(error)
             raise
+
+    def _synced(self, input: Tensor, z: Tensor | None, sync: Synchronizer) -> Tensor:
+        """The synchronized call itself, its input checked: natively where the compiled module
+        serves, else through the autograd Function."""
+        function = native_sync_batch_norm if native_serves() else sync_batch_norm
+        return self._batch_stats(function, input, z, sync=sync)
 
     def _batch_stats(self, function: Any, input: Tensor, z: Tensor | None, **meeting: Any) -> Tensor:
         """``function`` (:func:`~functions.sync_batch_norm` or

@@ -3,7 +3,7 @@ functions that convert, freeze and fuse a model's batch norms.
 
 ``from modules import nn as NN``; ``NN.BatchNorm2d(64)`` is ``NN.SyncBatchNorm2d(64)``.
 
-A facade: the layers are in :mod:`modules.batchnorm`, the converters in
+A facade: the layers are in :mod:`modules.batchnorm`, the activated ones (``inplace_abn``'s) in :mod:`modules.inplace_abn`, the converters in
 :mod:`modules.conversion`, the fusion pass in :mod:`modules.fusion`; none of them imports this
 module.
 """
@@ -18,7 +18,9 @@ from .batchnorm import (
     SyncBatchNorm3d,
     consecutive_rank_groups,
 )
+from . import inplace_abn
+from .inplace_abn import ABN, InPlaceABN, InPlaceABNSync
 from .conversion import convert_sync_batchnorm, freeze_batchnorm, revert_sync_batchnorm
 from .fusion import fuse_bn_act
 
-__all__ = [*batchnorm.__all__, "convert_sync_batchnorm", "freeze_batchnorm", "fuse_bn_act", "revert_sync_batchnorm"]
+__all__ = [*batchnorm.__all__, *inplace_abn.__all__, "convert_sync_batchnorm", "freeze_batchnorm", "fuse_bn_act", "revert_sync_batchnorm"]
