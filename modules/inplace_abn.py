@@ -164,7 +164,7 @@ class InPlaceABN(ABN):
                 f"{self._label()}: the input is a leaf tensor that requires grad, which cannot be written in place "
                 "(torch refuses in-place ops on such leaves); feed it a computed tensor, or use ABN"
             )
-        if torch._debug_has_internal_overlap(input) == 1:
+        if not torch.compiler.is_compiling() and torch._debug_has_internal_overlap(input) == 1:
             raise RuntimeError(
                 f"{self._label()}: the input cannot be written in place: its elements overlap in memory "
                 f"(size {tuple(input.shape)}, stride {input.stride()}, an expanded tensor?); pass input.contiguous()"

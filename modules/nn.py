@@ -21,6 +21,6 @@ from .batchnorm import (
 from . import inplace_abn
 from .inplace_abn import ABN, InPlaceABN, InPlaceABNSync
 from .conversion import convert_sync_batchnorm, freeze_batchnorm, revert_sync_batchnorm
-from .fusion import fuse_bn_act
+from .fusion import InPlaceConversion, convert_inplace_abn, fuse_bn_act
 
-__all__ = [*batchnorm.__all__, *inplace_abn.__all__, "convert_sync_batchnorm", "freeze_batchnorm", "fuse_bn_act", "revert_sync_batchnorm"]
+__all__ = [*batchnorm.__all__, *inplace_abn.__all__, "InPlaceConversion", "convert_inplace_abn", "convert_sync_batchnorm", "freeze_batchnorm", "fuse_bn_act", "revert_sync_batchnorm"]
