@@ -342,6 +342,39 @@ def test_fused_activation(rank: int, world: int) -> None:
     train_against_full_batch(ResidualBlock, [2, 3], (4, 3, 3), make_ours=ResidualBlock.fused)
 
 
+def conv_abn_2d() -> nn.Module:
+    """Convolutions, batch norms and invertible activations: what convert_inplace_abn makes
+    in-place layers of (momentum None in the second)."""
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.LeakyReLU(0.1),
+        nn.Conv2d(4, 5, 1, bias=False), nn.BatchNorm2d(5, momentum=None), nn.ELU(0.7),
+    )
+
+
+def in_place(model: nn.Module) -> nn.Module:
+    done = NN.convert_inplace_abn(model)
+    assert done.converted == ["1", "4"], done
+    return done.module
+
+
+@across_processes(2, 3)
+def test_inplace_abn(rank: int, world: int) -> None:
+    ours = train_against_full_batch(conv_abn_2d, [4, 3, 2][:world], (3, 4, 5), make_ours=in_place)
+    assert isinstance(ours[1], NN.InPlaceABN) and int(ours[4].num_batches_tracked) == 3
+    train_against_full_batch(conv_abn_2d, [5, 0, 3][:world], (3, 3, 3), make_ours=in_place, steps=2)  # an empty rank
+    train_against_full_batch(conv_abn_2d, [3, 2, 4][:world], (3, 4, 4), make_ours=in_place, steps=2, memory_format=CL2)
+    if world == 2:  # two levels: replicas inside the ranks, one process's replicas on an empty batch
+        train_against_full_batch(conv_abn_2d, [5, 3], (3, 3, 4), replicas=2, make_ours=in_place, steps=2)
+        train_against_full_batch(conv_abn_2d, [4, 0], (3, 2, 2), replicas=2, make_ours=in_place, steps=2)
+        with deferred_checks():
+            train_against_full_batch(conv_abn_2d, [4, 3], (3, 4, 5), make_ours=in_place, steps=2)
+        frozen = lambda model: NN.freeze_batchnorm(in_place(model))  # noqa: E731
+        model = train_against_full_batch(conv_abn_2d, [3, 2], (3, 3, 4), make_ours=frozen, ref_training=False, steps=2)
+        with count_collectives() as counts:
+            model(torch.randn(4, 3, 3, 3, dtype=torch.float64)).sum().backward()
+        assert counts == {}, f"frozen in-place layers communicated: {counts}"
+
+
 class ResidualBlock(nn.Module):
     """relu(bn(conv(x)) + x), unfused; :meth:`fused` gives our layer the add and the relu."""
 

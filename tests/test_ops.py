@@ -56,6 +56,11 @@ def operator_calls(x: torch.Tensor) -> list[tuple[str, tuple]]:
         ("update_running_stats", (*stats(), None, channel(dtype=torch.float64), channel(1.0, torch.float64), 7)),
         ("batch_norm_train", (x, weight, bias, *stats(), 0.1, 1e-5)),
         ("batch_norm_train", (x, None, None, None, None, None, None, 1e-5, like_x(), 0.0)),
+        ("abn_forward_", (like_x(), mean, invstd, -weight, bias, 1e-5, "leaky_relu", 0.01)),
+        ("abn_forward_", (like_x(), mean, invstd, None, None, 1e-5, "elu", 1.0)),
+        ("abn_backward_reduce", (like_x().clamp(min=-0.45), like_x(), weight, bias, 1e-5, "elu", 0.5)),  # y > -alpha
+        ("abn_backward_elemt", (like_x(), like_x(), invstd, weight, bias, 1e-5, "leaky_relu", 0.1, channel(), channel(), count)),
+        ("abn_backward_elemt", (like_x(), like_x(), invstd, None, None, 1e-5, "identity", 0.0, None, None, 0)),
     ]
 
 

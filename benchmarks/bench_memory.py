@@ -1,0 +1,185 @@
+"""What a training step's activations cost in memory: in-place activated batch norm against
+torch's batch norm + LeakyReLU(inplace=True), on the CPU.
+
+The net: 8 blocks of a 3x3 convolution (no bias) and a batch norm with LeakyReLU (64 channels;
+the first convolution takes 3), on a batch of (B, 3, 64, 64) float32, one training step (forward,
+loss, backward). Contenders, each in a fresh process:
+
+- ``torch``: ``nn.BatchNorm2d`` + ``nn.LeakyReLU(inplace=True)`` (autograd keeps the batch
+  norm's input and the activation's output: two full-size tensors per block);
+- ``ours-fused``: ``SyncBatchNorm2d(activation="leaky_relu")`` (one layer, keeps its input);
+- ``ours-inplace``: ``InPlaceABN`` (writes over its input, keeps only its output: one).
+
+Memory is the process's resident set (Linux ``/proc/self/status``): the step's peak (``VmHWM``,
+reset through ``/proc/self/clear_refs`` just before the step) over the resting memory after a
+warm-up step (model, gradients, input allocated; freed memory handed back with ``malloc_trim``
+and large blocks mmapped, ``MALLOC_MMAP_THRESHOLD_``, so that freed memory does not hide in the
+heap). Then the largest batch whose step peak fits a budget (``--budget-mib``), found by bisection,
+a fresh process per trial.
+
+    python benchmarks/bench_memory.py [--batch 16] [--budget-mib 1024] [--quick] [--no-write]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from functions import backend_info  # noqa: E402
+from modules import nn as NN  # noqa: E402
+
+CONTENDERS = ("torch", "ours-fused", "ours-inplace")
+BLOCKS, CHANNELS, SIDE = 8, 64, 64
+BEGIN, END = "<!-- bench_memory: begin -->", "<!-- bench_memory: end -->"
+MIB = 2**20
+
+
+def norm_act(kind: str) -> list[nn.Module]:
+    if kind == "torch":
+        return [nn.BatchNorm2d(CHANNELS), nn.LeakyReLU(0.01, inplace=True)]
+    if kind == "ours-fused":
+        return [NN.SyncBatchNorm2d(CHANNELS, activation="leaky_relu", negative_slope=0.01)]
+    return [NN.InPlaceABN(CHANNELS, activation="leaky_relu", activation_param=0.01)]
+
+
+def net(kind: str) -> nn.Module:
+    layers: list[nn.Module] = []
+    for block in range(BLOCKS):
+        layers += [nn.Conv2d(3 if block == 0 else CHANNELS, CHANNELS, 3, padding=1, bias=False), *norm_act(kind)]
+    return nn.Sequential(*layers)
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _settle() -> None:
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def measure_step(kind: str, batch: int) -> dict:
+    """In this process: the step's peak resident memory over the resting memory, in bytes."""
+    torch.manual_seed(0)
+    model = net(kind)
+    x = torch.randn(batch, 3, SIDE, SIDE)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+
+    step()  # warm-up: gradients allocated, kernels and caches ready
+    _settle()
+    resting = _status_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    step()
+    peak = _status_kib("VmHWM")
+    return {"kind": kind, "batch": batch, "resting": resting * 1024, "over": (peak - resting) * 1024}
+
+
+def in_fresh_process(kind: str, batch: int) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    out = subprocess.run(
+        [sys.executable, __file__, "--one", kind, "--batch", str(batch)],
+        env=env, check=True, capture_output=True, text=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def largest_batch(kind: str, budget: int, low: int, high: int) -> int:
+    """The largest batch in [low, high] whose step fits ``budget`` bytes (bisection: the peak
+    grows with the batch); ``low - 1`` where none does."""
+    best = low - 1
+    while low <= high:
+        middle = (low + high) // 2
+        if in_fresh_process(kind, middle)["over"] <= budget:
+            best, low = middle, middle + 1
+        else:
+            high = middle - 1
+    return best
+
+
+def machine() -> str:
+    model = platform.processor() or "unknown CPU"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{os.cpu_count()}-core {model}"
+
+
+def report(batch: int, rows: list[dict], budget: int, fits: dict[str, int]) -> str:
+    torch_over = next(r["over"] for r in rows if r["kind"] == "torch")
+    lines = [
+        BEGIN,
+        "## Activation memory of a training step (bench_memory.py)",
+        "",
+        f"Machine: {machine()}, no GPU; torch {torch.__version__}; kernels {backend_info()['cpu']}; "
+        f"{datetime.date.today()}. {BLOCKS} blocks of conv 3x3 + batch norm + LeakyReLU, {CHANNELS} channels, "
+        f"batch ({batch}, 3, {SIDE}, {SIDE}) float32; the step's peak resident memory over the resting memory, "
+        "each contender in a fresh process.",
+        "",
+        "| contender | step peak over resting (MiB) | against torch |",
+        "|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['kind']} | {r['over'] / MIB:.1f} | {r['over'] / torch_over:.2f}x |")
+    lines += ["", f"Largest batch whose step fits {budget // MIB} MiB over resting memory:", ""]
+    lines += [f"- {kind}: {fits[kind]}" for kind in fits]
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def write_results(text: str) -> None:
+    path = ROOT / "benchmarks" / "RESULTS.md"
+    current = path.read_text()
+    if BEGIN in current:
+        start, end = current.index(BEGIN), current.index(END) + len(END)
+        current = current[:start] + text + current[end:]
+    else:
+        current = current.rstrip() + "\n\n" + text + "\n"
+    path.write_text(current)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--budget-mib", type=int, default=1024, help="the budget of the largest-batch search")
+    parser.add_argument("--quick", action="store_true", help="batch 4, budget 256 MiB")
+    parser.add_argument("--no-write", action="store_true", help="print, do not touch RESULTS.md")
+    parser.add_argument("--one", choices=CONTENDERS, help=argparse.SUPPRESS)  # a fresh process's own run
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    if args.one:
+        print(json.dumps(measure_step(args.one, args.batch)))
+        return
+    batch, budget = (4, 256 * MIB) if args.quick else (args.batch, args.budget_mib * MIB)
+    rows = [in_fresh_process(kind, batch) for kind in CONTENDERS]
+    for r in rows:
+        print(f"{r['kind']:>13}: {r['over'] / MIB:8.1f} MiB over {r['resting'] / MIB:.1f} MiB resting")
+    fits = {kind: largest_batch(kind, budget, 1, 4 * batch * budget // max(1, rows[0]["over"]) + 1) for kind in ("torch", "ours-inplace")}
+    text = report(batch, rows, budget, fits)
+    print(text)
+    if not args.no_write:
+        write_results(text)
+
+
+if __name__ == "__main__":
+    main()
