@@ -26,7 +26,9 @@ The cases (``--cases``):
 
 * ``1d``: Linear, BatchNorm1d on (N, C), ReLU, Unflatten, Conv1d, BatchNorm1d on (N, C, L);
 * ``2d``: Conv2d, BatchNorm2d, ReLU, Conv2d, BatchNorm2d;
-* ``3d``: Conv3d, BatchNorm3d, ReLU, Conv3d, BatchNorm3d.
+* ``3d``: Conv3d, BatchNorm3d, ReLU, Conv3d, BatchNorm3d;
+* ``inplace``: Conv2d, BatchNorm2d, LeakyReLU(0.1), Conv2d, BatchNorm2d, ELU(0.7), made in-place
+  activated batch norms (``InPlaceABN``) by ``modules.nn.convert_inplace_abn``.
 
 In each case the first batch norm uses momentum 0.1 and the last one momentum None (the
 cumulative average, which depends on num_batches_tracked); batch norm weights and biases start
@@ -47,7 +49,7 @@ Options:
                     float32 models under torch.autocast, so the batch norm layers see half
                     inputs with float32 weights and running stats, as in mixed precision training
   --channels-last   2d and 3d models and inputs in channels_last / channels_last_3d
-  --cases C [C ...] subset of 1d 2d 3d (default: all)
+  --cases C [C ...] subset of 1d 2d 3d inplace (default: all)
   --seed N          seed of the models, inputs and upstream gradients (default 0)
   --lr LR           SGD learning rate (default 0.01)
   --distributed N   N local processes under DDP (Gloo, CPU) instead of replicas in threads
@@ -85,6 +87,8 @@ class Case:
     build: Callable[[], nn.Module]
     sample_shape: tuple[int, ...]
     channels_last: torch.memory_format | None  # the layout --channels-last asks for, if any
+    convert: Callable[[nn.Module], nn.Module] = NN.convert_sync_batchnorm
+    """How the reference's copy becomes ours."""
 
 
 def build_1d() -> nn.Module:
@@ -117,10 +121,31 @@ def build_3d() -> nn.Module:
     return build_conv(nn.Conv3d, nn.BatchNorm3d, channels=2)
 
 
+def build_inplace() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 6, kernel_size=3, padding=1, bias=False),
+        nn.BatchNorm2d(6),
+        nn.LeakyReLU(0.1),
+        nn.Conv2d(6, 4, kernel_size=3, bias=False),
+        nn.BatchNorm2d(4, momentum=None),
+        nn.ELU(0.7),
+    )
+
+
+def in_place(model: nn.Module) -> nn.Module:
+    """Every batch norm -> activation pair an in-place layer (the reference's weights are at
+    least 0.5, so that |weight| + eps can equal them)."""
+    done = NN.convert_inplace_abn(model)
+    if done.left_alone:
+        raise RuntimeError(f"convert_inplace_abn left pairs alone: {done.left_alone}")
+    return done.module
+
+
 CASES: dict[str, Case] = {
     "1d": Case(build_1d, (8,), None),
     "2d": Case(build_2d, (3, 8, 8), torch.channels_last),
     "3d": Case(build_3d, (2, 5, 5, 5), torch.channels_last_3d),
+    "inplace": Case(build_inplace, (3, 8, 8), torch.channels_last, in_place),
 }
 
 
@@ -312,7 +337,7 @@ def build_pair(case: Case, config: Config) -> tuple[nn.Module, nn.Module]:
     reference.to(config.device, config.model_dtype)
     if config.channels_last and case.channels_last is not None:
         reference.to(memory_format=case.channels_last)
-    return reference, NN.convert_sync_batchnorm(copy.deepcopy(reference))
+    return reference, case.convert(copy.deepcopy(reference))
 
 
 def make_input(case: Case, config: Config, step: int) -> Tensor:
@@ -352,6 +377,9 @@ def realign_parameters(model: nn.Module, reference: nn.Module) -> None:
     with torch.no_grad():
         for ours, theirs in zip(model.parameters(), reference.parameters()):
             ours.copy_(theirs)
+        for layer in model.modules():  # their scale is |weight| + eps (convert_inplace_abn)
+            if isinstance(layer, NN.InPlaceABN) and layer.weight is not None:
+                layer.weight.sub_(layer.eps)
 
 
 def run_case(name: str, case: Case, config: Config, rows: dict[tuple[str, str, str], Row], rank: int = 0) -> None:
