@@ -21,6 +21,7 @@ the Python path of :mod:`functions.sync_batchnorm` (the master does every replic
 """
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import torch
@@ -56,6 +57,8 @@ class _BackwardPart(NamedTuple):
     bias: Tensor | None
     wants: tuple[bool, bool, bool]
     stream: "torch.cuda.Stream | None"
+    dy_is_ours: bool
+    """Whether dy may be written over (the input gradient takes its storage)."""
 
 
 class InPlaceABNFunction(Function):
@@ -103,6 +106,7 @@ class InPlaceABNFunction(Function):
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):  # type: ignore[override]
+        ctx.grad_is_ours = _held_by_this_backward_alone(grad_output)  # first: it counts references
         try:
             if torch.is_grad_enabled():
                 raise RuntimeError(
@@ -126,9 +130,52 @@ class InPlaceABNFunction(Function):
         needs = ctx.needs_input_grad
         wants = (needs[0], weight is not None and needs[1], bias is not None and needs[2])
         stream = None if sync is None else sync.stream_for(y.device)
-        part = _BackwardPart(y, dy, invstd, weight, bias, wants, stream)
+        dy_is_ours = dy is not grad_output or (ctx.grad_is_ours and dy.dtype == y.dtype)
+        part = _BackwardPart(y, dy, invstd, weight, bias, wants, stream, dy_is_ours)
         work = lambda parts: _backward_every_replica(parts, ctx.act, ctx.batch_stats, sync)  # noqa: E731
         return work([part])[0] if sync is None else sync.on_master("backward", part, work)
+
+
+_SOLE_REFERENCES: list[int] = []
+"""How many Python references a backward's gradient has, seen as its first statement sees them,
+where nothing else holds it (measured once, :func:`_sole_references`)."""
+
+
+class _ReferenceProbe(Function):
+    """A Function whose backward sees a gradient that nothing else holds (a multiplication's)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor) -> Tensor:  # type: ignore[override]
+        _held_by_this_backward_alone(grad_output, probing=True)
+        return grad_output
+
+
+def _sole_references() -> int:
+    if not _SOLE_REFERENCES:
+        with torch.enable_grad():
+            x = torch.zeros(2, requires_grad=True)
+            (_ReferenceProbe.apply(x * 1.0) * 3.0).sum().backward()
+    return _SOLE_REFERENCES[0]
+
+
+def _held_by_this_backward_alone(grad: Tensor, probing: bool = False) -> bool:
+    """Whether the engine handed this backward a gradient that nothing else holds or shares
+    (no hook or user kept it, no ``.grad`` holds it, no view, its storage its own), so that the
+    input gradient may be written over it; never under torch.compile or torch.func (no eager
+    references to count there)."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    references = sys.getrefcount(grad)  # the probe's backward calls this as ours does
+    if probing:
+        _SOLE_REFERENCES.append(references)
+        return False
+    if grad._is_view() or grad._use_count() != 1 or torch._C._storage_Use_Count(grad.untyped_storage()._cdata) != 2:
+        return False  # the storage's count includes the untyped_storage() just made
+    return references <= _sole_references()
 
 
 def _fixed_normalization(running_mean: Tensor, running_var: Tensor, eps: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -199,9 +246,12 @@ def _part_grads(part: _BackwardPart, sums: tuple, totals: tuple | None, act: tup
                 total_dz, total_xhat_dz, count, ready = totals
                 total_dz = devices.fetch(total_dz, part.y.device, ready)
                 total_xhat_dz = devices.fetch(total_xhat_dz, part.y.device, ready)
-            grad_input = OVERLOADS.abn_backward_elemt(
-                part.y, part.dy, part.invstd, part.weight, part.bias, *act, total_dz, total_xhat_dz, count
-            )
+            operands = (part.invstd, part.weight, part.bias, *act, total_dz, total_xhat_dz, count)
+            if part.dy_is_ours:  # one full-size tensor less at the backward's peak
+                OVERLOADS.abn_backward_elemt_(part.dy, part.y, *operands)
+                grad_input = part.dy
+            else:
+                grad_input = OVERLOADS.abn_backward_elemt(part.y, part.dy, *operands)
         grad_weight = grad_bias = None
         if wants_weight:
             assert part.weight is not None and sum_xhat_dz is not None

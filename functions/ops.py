@@ -71,6 +71,10 @@ SCHEMAS = {
         "(Tensor y, Tensor dy, Tensor invstd, Tensor? weight, Tensor? bias, float eps, str activation, "
         "float activation_param, Tensor? sum_dz, Tensor? sum_xhat_dz, SymInt count) -> Tensor"
     ),
+    "abn_backward_elemt_": (
+        "(Tensor(a!) dy, Tensor y, Tensor invstd, Tensor? weight, Tensor? bias, float eps, str activation, "
+        "float activation_param, Tensor? sum_dz, Tensor? sum_xhat_dz, SymInt count) -> ()"
+    ),
 }
 """Schema of each operator. Per-channel outputs are ``(C,)``; full-size ones are shaped as
 ``x`` and laid out as :func:`functions.reference.memory_format_of` says."""
@@ -158,6 +162,13 @@ def _abn_backward_elemt_fake(
     y, dy, invstd, weight, bias, eps, activation, activation_param, sum_dz, sum_xhat_dz, count
 ) -> Tensor:
     return _full_size_like(y)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::abn_backward_elemt_")
+def _abn_backward_elemt__fake(
+    dy, y, invstd, weight, bias, eps, activation, activation_param, sum_dz, sum_xhat_dz, count
+) -> None:
+    return None
 
 
 def affine_act_grads(outputs: tuple[Tensor, Tensor, Tensor, Tensor], input_grad: bool, residual_grad: bool, sums: bool):

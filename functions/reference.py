@@ -423,3 +423,21 @@ def abn_backward_elemt(
         dz = dz - per_channel(sum_dz / count, y) - x_hat * per_channel(sum_xhat_dz / count, y)
     dx = dz * per_channel(invstd * gamma, y)
     return dx.to(y.dtype).contiguous(memory_format=memory_format_of(y))
+
+
+def abn_backward_elemt_(
+    dy: Tensor,
+    y: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    activation: str,
+    activation_param: float,
+    sum_dz: Tensor | None,
+    sum_xhat_dz: Tensor | None,
+    count: int,
+) -> None:
+    """:func:`abn_backward_elemt` written over ``dy`` (laid out as y): the backward's input
+    gradient where the output's gradient is the backward's alone."""
+    dy.copy_(abn_backward_elemt(y, dy, invstd, weight, bias, eps, activation, activation_param, sum_dz, sum_xhat_dz, count))

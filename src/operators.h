@@ -56,6 +56,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_train(
     m.impl("abn_forward_", TORCH_FN(NS::abn_forward_));                     \
     m.impl("abn_backward_reduce", TORCH_FN(NS::abn_backward_reduce));       \
     m.impl("abn_backward_elemt", TORCH_FN(NS::abn_backward_elemt));         \
+    m.impl("abn_backward_elemt_", TORCH_FN(NS::abn_backward_elemt_));       \
     m.impl("update_running_stats", TORCH_FN(syncbn::update_running_stats)); \
     m.impl("batch_norm_train", TORCH_FN(syncbn::batch_norm_train));         \
   }

@@ -288,7 +288,7 @@ def test_compile_fullgraph_one_device():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), NN.InPlaceABN(4), nn.Conv2d(4, 4, 1), NN.InPlaceABN(4, activation="elu", activation_param=1.0))
     eager = copy.deepcopy(model)
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
     for _ in range(2):
         x = torch.randn(2, 3, 5, 5)
         y, y_eager = compiled(x), eager(x)
@@ -325,3 +325,30 @@ def test_convert_inplace_abn():
     with torch.no_grad():
         negative[1].weight[0] = -1.0
     assert "weight below eps" in NN.convert_inplace_abn(negative).left_alone["1"]
+
+
+def test_input_gradient_takes_the_output_gradients_storage_only_where_it_is_the_backwards_alone(monkeypatch):
+    """The backward writes dx over dy where nothing else holds dy (one full-size tensor less at
+    its peak), and leaves a gradient that a hook, ``retain_grad`` or the caller holds as it is."""
+    import sys
+
+    module = sys.modules["functions.inplace_abn"]
+    written_over = []
+    original = module.OVERLOADS.abn_backward_elemt_
+    monkeypatch.setattr(module.OVERLOADS, "abn_backward_elemt_", lambda *args: written_over.append(1) or original(*args))
+    layer = NN.InPlaceABN(3).double()
+    x = torch.randn(4, 3, 5, 5, dtype=torch.float64, requires_grad=True)
+    ref, ours = make_pair(NN.InPlaceABN, "leaky_relu", 0.01, channels=3)
+    x_ref = x.detach().clone().requires_grad_()
+    (ref(x_ref * 1.0) * 2).sum().backward()
+    (ours(x * 1.0) * 2).sum().backward()
+    assert written_over == [1]
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL)
+    kept: list[Tensor] = []
+    y = layer(x * 1.0)
+    y.register_hook(lambda g: kept.append(g))
+    (y * 2).sum().backward()
+    assert torch.equal(kept[0], torch.full_like(kept[0], 2.0))
+    given = torch.full((4, 3, 5, 5), 2.0, dtype=torch.float64)
+    layer(x * 1.0).backward(given)
+    assert torch.equal(given, torch.full_like(given, 2.0))

@@ -61,6 +61,8 @@ def operator_calls(x: torch.Tensor) -> list[tuple[str, tuple]]:
         ("abn_backward_reduce", (like_x().clamp(min=-0.45), like_x(), weight, bias, 1e-5, "elu", 0.5)),  # y > -alpha
         ("abn_backward_elemt", (like_x(), like_x(), invstd, weight, bias, 1e-5, "leaky_relu", 0.1, channel(), channel(), count)),
         ("abn_backward_elemt", (like_x(), like_x(), invstd, None, None, 1e-5, "identity", 0.0, None, None, 0)),
+        ("abn_backward_elemt_", (like_x(), like_x(), invstd, weight, bias, 1e-5, "leaky_relu", 0.1, channel(), channel(), count)),
+        ("abn_backward_elemt_", (like_x(), like_x().clamp(min=-0.9), invstd, None, None, 1e-5, "elu", 1.0, None, None, 0)),
     ]
 
 

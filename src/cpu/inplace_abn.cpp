@@ -332,11 +332,14 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_reduce(const at::Tensor& y_in, c
   return {sum_dz.to(dtype), sum_xhat_dz.to(dtype)};
 }
 
-at::Tensor abn_backward_elemt(const at::Tensor& y_in, const at::Tensor& grad_output, const at::Tensor& invstd,
-                              const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                              double eps, c10::string_view activation, double activation_param,
-                              const std::optional<at::Tensor>& sum_dz, const std::optional<at::Tensor>& sum_xhat_dz,
-                              int64_t count) {
+namespace {
+
+// abn_backward_elemt's pass, its result in `dx` (a new tensor, or dy itself).
+void abn_backward_elemt_into(const at::Tensor& y_in, const at::Tensor& grad_output, const at::Tensor& invstd,
+                             const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                             double eps, c10::string_view activation, double activation_param,
+                             const std::optional<at::Tensor>& sum_dz, const std::optional<at::Tensor>& sum_xhat_dz,
+                             int64_t count, const at::Tensor* out, at::Tensor* fresh) {
   check_input(y_in, "abn_backward_elemt");
   check_grad_output(grad_output, y_in, "abn_backward_elemt");
   const auto act = parse_invertible_activation(activation, "abn_backward_elemt");
@@ -347,8 +350,13 @@ at::Tensor abn_backward_elemt(const at::Tensor& y_in, const at::Tensor& grad_out
   const auto dy = like_layout(grad_output, y, "grad_output");
   TORCH_CHECK(invstd.numel() == l.C, "syncbn.abn_backward_elemt: invstd has ", invstd.numel(), " values for ", l.C,
               " channels");
-  auto dx = at::empty_like(y);
-  if (l.numel() == 0) return dx;
+  if (out != nullptr) {
+    TORCH_CHECK(dy.is_same(*out), "syncbn.abn_backward_elemt_: dy must be laid out as y (contiguous or channels_last)");
+    at::assert_no_internal_overlap(*out);
+  }
+  at::Tensor dx = out != nullptr ? *out : at::empty_like(y);
+  if (fresh != nullptr) *fresh = dx;
+  if (l.numel() == 0) return;
   TORCH_CHECK(!has_sums || count > 0, "syncbn.abn_backward_elemt: the batch count must be positive, got ", count);
   const auto s = per_channel_doubles(invstd, l.C, 1.0);
   const auto sums_dz = per_channel_doubles(sum_dz, l.C, 0.0), sums_xhat_dz = per_channel_doubles(sum_xhat_dz, l.C, 0.0);
@@ -374,7 +382,29 @@ at::Tensor abn_backward_elemt(const at::Tensor& y_in, const at::Tensor& grad_out
       }
     });
   });
+}
+
+}  // namespace
+
+at::Tensor abn_backward_elemt(const at::Tensor& y, const at::Tensor& grad_output, const at::Tensor& invstd,
+                              const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                              double eps, c10::string_view activation, double activation_param,
+                              const std::optional<at::Tensor>& sum_dz, const std::optional<at::Tensor>& sum_xhat_dz,
+                              int64_t count) {
+  at::Tensor dx;
+  abn_backward_elemt_into(y, grad_output, invstd, weight, bias, eps, activation, activation_param, sum_dz, sum_xhat_dz,
+                          count, nullptr, &dx);
   return dx;
+}
+
+void abn_backward_elemt_(const at::Tensor& grad_output, const at::Tensor& y, const at::Tensor& invstd,
+                         const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
+                         c10::string_view activation, double activation_param,
+                         const std::optional<at::Tensor>& sum_dz, const std::optional<at::Tensor>& sum_xhat_dz,
+                         int64_t count) {
+  abn_backward_elemt_into(y, grad_output, invstd, weight, bias, eps, activation, activation_param, sum_dz, sum_xhat_dz,
+                          count, &grad_output, nullptr);
+  grad_output.unsafeGetTensorImpl()->bump_version();  // as abn_forward_: no ADInplaceOrView kernel does it
 }
 
 }  // namespace syncbn::cpu

@@ -14,6 +14,8 @@
 #include "operands.cuh"
 #include "reduction.cuh"
 
+#include <ATen/MemoryOverlap.h>
+
 #include <string>
 
 namespace syncbn::cuda {
@@ -295,15 +297,22 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_reduce(const at::Tensor& y, cons
   return {sum_dz, sum_xhat_dz};
 }
 
-at::Tensor abn_backward_elemt(const at::Tensor& y, const at::Tensor& grad_output, const at::Tensor& invstd,
-                              const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                              double eps, c10::string_view activation, double activation_param,
-                              const std::optional<at::Tensor>& sum_dz, const std::optional<at::Tensor>& sum_xhat_dz,
-                              int64_t count) {
+namespace {
+
+// abn_backward_elemt's pass, its result in a new tensor (out == nullptr) or in dy itself.
+at::Tensor abn_backward_elemt_into(const at::Tensor& y, const at::Tensor& grad_output, const at::Tensor& invstd,
+                                   const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                                   double eps, c10::string_view activation, double activation_param,
+                                   const std::optional<at::Tensor>& sum_dz,
+                                   const std::optional<at::Tensor>& sum_xhat_dz, int64_t count, const at::Tensor* out) {
   const auto act = parse_activation(activation, "abn_backward_elemt");
   const Operands o("abn_backward_elemt", y, &grad_output);
   const auto& [x, dy, l] = std::tie(o.x, o.dy, o.l);
-  auto dx = at::empty_like(x);
+  if (out != nullptr) {
+    TORCH_CHECK(dy.is_same(*out), "syncbn.cuda.abn_backward_elemt_: dy must be laid out as y (contiguous or channels_last)");
+    at::assert_no_internal_overlap(*out);
+  }
+  auto dx = out != nullptr ? *out : at::empty_like(x);
   const auto s = o.channel(invstd, "invstd");
   const auto w = o.channel(weight, "weight"), b = o.channel(bias, "bias");
   // the sums are used when both are given (as the reference)
@@ -316,6 +325,7 @@ at::Tensor abn_backward_elemt(const at::Tensor& y, const at::Tensor& grad_output
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_cuda_abn_backward_elemt", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     dispatch_activation(act, [&](auto a) {
+      // each thread reads its values of y and dy before it writes them: dx may be dy
       const AbnBackwardElemtOp<scalar_t, decltype(a)::value> op{
           x.const_data_ptr<scalar_t>(),
           dy.const_data_ptr<scalar_t>(),
@@ -331,6 +341,27 @@ at::Tensor abn_backward_elemt(const at::Tensor& y, const at::Tensor& grad_output
     });
   });
   return dx;
+}
+
+}  // namespace
+
+at::Tensor abn_backward_elemt(const at::Tensor& y, const at::Tensor& grad_output, const at::Tensor& invstd,
+                              const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                              double eps, c10::string_view activation, double activation_param,
+                              const std::optional<at::Tensor>& sum_dz, const std::optional<at::Tensor>& sum_xhat_dz,
+                              int64_t count) {
+  return abn_backward_elemt_into(y, grad_output, invstd, weight, bias, eps, activation, activation_param, sum_dz,
+                                 sum_xhat_dz, count, nullptr);
+}
+
+void abn_backward_elemt_(const at::Tensor& grad_output, const at::Tensor& y, const at::Tensor& invstd,
+                         const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
+                         c10::string_view activation, double activation_param,
+                         const std::optional<at::Tensor>& sum_dz, const std::optional<at::Tensor>& sum_xhat_dz,
+                         int64_t count) {
+  abn_backward_elemt_into(y, grad_output, invstd, weight, bias, eps, activation, activation_param, sum_dz, sum_xhat_dz,
+                          count, &grad_output);
+  grad_output.unsafeGetTensorImpl()->bump_version();  // as abn_forward_: no ADInplaceOrView kernel does it
 }
 
 }  // namespace syncbn::cuda
