@@ -140,8 +140,8 @@ def report(batch: int, rows: list[dict], budget: int, fits: dict[tuple[str, str]
         "",
         f"Machine: {machine()}, no GPU; torch {torch.__version__}; kernels {backend_info()['cpu']}; "
         f"{datetime.date.today()}. {BLOCKS} blocks of conv 3x3 + batch norm + LeakyReLU, {CHANNELS} channels, "
-        f"batch ({batch}, 3, {SIDE}, {SIDE}) float32; the step's peak resident memory over the resting memory, "
-        "each contender in a fresh process.",
+        f"a pooled linear head, batch ({batch}, 3, {SIDE}, {SIDE}) float32, cross-entropy; the step's peak resident "
+        "memory over the resting memory, each contender in a fresh process.",
         "",
         "| layout | contender | step peak over resting (MiB) | against torch |",
         "|---|---|---|---|",
