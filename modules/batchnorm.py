@@ -13,6 +13,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from functions import frozen_batch_norm, sync_batch_norm
 from functions.sync_batchnorm import native_serves, native_sync_batch_norm
+from functions.traced_ranks import traced_sync_batch_norm
 from functions.lone_replica import takes_our_kernels
 from functions.distributed import ProcessGroupSync, active_process_group, consecutive_rank_groups
 from functions.reference import values_per_channel
@@ -246,7 +247,10 @@ class SyncBatchNorm(_BatchNorm):
         self._check_batch_eps()
         meeting = self._meeting()
         if meeting is not None:
-            return self._forward_synced(input, z, *meeting)
+            handle, group = meeting
+            if handle is None and torch.compiler.is_compiling():
+                return self._forward_traced(input, z, group)
+            return self._forward_synced(input, z, handle, group)
         self._check_input(input, z)
         # torch's own batch norm where it beats our kernels (measured: functions/lone_replica.py);
         # not for the cumulative average (momentum=None), whose factor torch reads on the host (a
@@ -301,6 +305,12 @@ class SyncBatchNorm(_BatchNorm):
         except BaseException as error:
             sync.fail(error)
             raise
+
+    def _forward_traced(self, input: Tensor, z: Tensor | None, group: Any) -> Tensor:
+        """Ranks alone (no replicas in the process) under torch.compile: the exchange as
+        functional collectives in the graph (:mod:`functions.traced_ranks`), no graph break."""
+        self._check_input(input, z)
+        return self._batch_stats(traced_sync_batch_norm, input, z, group=group)
 
     def _synced(self, input: Tensor, z: Tensor | None, sync: Synchronizer) -> Tensor:
         """The synchronized call itself, its input checked: natively where the compiled module

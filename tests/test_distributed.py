@@ -97,13 +97,14 @@ def train_against_full_batch(
     group=None,
     make_ours: Callable[[nn.Module], nn.Module] = NN.convert_sync_batchnorm,
     ref_training: bool | None = None,
+    compiled: Callable[[nn.Module], nn.Module] | None = None,
 ) -> nn.Module:
     """This rank trains on its slice (``sizes[rank]`` samples) of the global batch; the reference
     trains on all of it. With ``replicas`` 1 the model runs under DDP (gradients averaged over
     the group); otherwise under ThreadedDataParallel in each process, with the parameter
     gradients summed over the group by hand. Ours is ``make_ours`` of a copy of the reference
-    (made before its training flag is set to ``ref_training``, default ``training``).
-    Returns our model."""
+    (made before its training flag is set to ``ref_training``, default ``training``);
+    ``compiled(ours)`` (torch.compile) is what DDP wraps where given. Returns our model."""
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
     torch.manual_seed(0)
@@ -115,7 +116,8 @@ def train_against_full_batch(
             if isinstance(layer, NN.SyncBatchNorm):
                 layer.process_group = group
     if replicas == 1:  # DDP averages the gradients over the group
-        runner: nn.Module = DistributedDataParallel(ours, process_group=group, forward_sync_buffers=False)
+        inner = ours if compiled is None else compiled(ours)
+        runner: nn.Module = DistributedDataParallel(inner, process_group=group, forward_sync_buffers=False)
         averaged_over, sum_grads = world, None
     else:  # ThreadedDataParallel in each process: the parameter gradients summed by hand
 
@@ -500,6 +502,148 @@ def test_subgroups(rank: int, world: int) -> None:
         expect_error_on_every_rank(lambda: layer(torch.randn(4, 3)), RuntimeError, "not a member")
     with pytest.raises(ValueError, match="must divide the world size 4"):
         NN.consecutive_rank_groups(3)
+
+
+# --- torch.compile across ranks: the exchange as functional collectives in the graph -------------
+
+
+class GraphRecorder:
+    """A torch.compile backend (AOTAutograd, then the graphs run as traced) that keeps the text
+    of every forward and backward graph it compiles."""
+
+    def __init__(self) -> None:
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.forward: list[str] = []
+        self.backward: list[str] = []
+
+        def keep(into: list[str]):
+            def compiler(gm: torch.fx.GraphModule, example_inputs) -> Callable:
+                into.append(str(gm.graph))
+                return make_boxed_func(gm.forward)
+
+            return compiler
+
+        self.backend = aot_autograd(fw_compiler=keep(self.forward), bw_compiler=keep(self.backward))
+
+
+def compile_fullgraph(backend: object = "aot_eager") -> Callable[[nn.Module], nn.Module]:
+    return lambda model: torch.compile(model, fullgraph=True, dynamic=False, backend=backend)
+
+
+@contextmanager
+def no_recompiles() -> Iterator[None]:
+    """A fresh compile cache, and an error where anything compiles a second time."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        yield
+    torch._dynamo.reset()
+
+
+@across_processes(2, 3)
+def test_compiled_fullgraph_equals_eager(rank: int, world: int) -> None:
+    # DDP(torch.compile(model, fullgraph=True)): the whole model one graph, collectives inside
+    recorder = GraphRecorder()
+    with no_recompiles():
+        train_against_full_batch(conv_bn_2d, [4, 3, 2][:world], (3, 4, 5), compiled=compile_fullgraph(recorder.backend))
+    assert len(recorder.forward) == 1 and len(recorder.backward) == 1, (len(recorder.forward), len(recorder.backward))
+    assert recorder.forward[0].count("_c10d_functional.all_gather_into_tensor.default") == 2  # one per layer
+    assert recorder.backward[0].count("_c10d_functional.all_reduce.default") == 2
+    with no_recompiles():  # an empty rank, 1d layers, channels_last
+        train_against_full_batch(conv_bn_2d, [5, 0, 3][:world], (3, 3, 3), steps=2, compiled=compile_fullgraph())
+    with no_recompiles():
+        train_against_full_batch(linear_bn_1d, [3, 4, 2][:world], (6,), steps=2, compiled=compile_fullgraph())
+    with no_recompiles():
+        train_against_full_batch(conv_bn_2d, [3, 2, 4][:world], (3, 4, 4), steps=2, memory_format=CL2, compiled=compile_fullgraph())
+
+
+@across_processes(2)
+def test_compiled_with_inductor(rank: int, world: int) -> None:
+    with no_recompiles():
+        train_against_full_batch(conv_bn_2d, [4, 3], (3, 4, 5), compiled=compile_fullgraph("inductor"))
+
+
+@across_processes(2)
+def test_compiled_frozen_fused_and_options(rank: int, world: int) -> None:
+    fuse = lambda model: NN.fuse_bn_act(NN.convert_sync_batchnorm(model))  # noqa: E731
+    with no_recompiles():
+        train_against_full_batch(conv_bn_2d, [4, 3], (3, 4, 5), make_ours=fuse, steps=2, compiled=compile_fullgraph())
+    with no_recompiles():
+        train_against_full_batch(ResidualBlock, [2, 3], (4, 3, 3), make_ours=ResidualBlock.fused, steps=2, compiled=compile_fullgraph())
+    with no_recompiles():
+        train_against_full_batch(
+            conv_bn_2d, [4, 3], (3, 4, 5), make_ours=NN.freeze_batchnorm, ref_training=False, steps=2, compiled=compile_fullgraph()
+        )
+    with no_recompiles():
+        train_against_full_batch(lambda: conv_bn_2d(affine=False), [3, 2], (3, 3, 3), steps=2, compiled=compile_fullgraph())
+
+
+@across_processes(4)
+def test_compiled_subgroups(rank: int, world: int) -> None:
+    group = NN.consecutive_rank_groups(2)
+    with no_recompiles():
+        ours = train_against_full_batch(conv_bn_2d, [3, 2] if rank < 2 else [2, 4], (3, 3, 3), group=group, steps=2, compiled=compile_fullgraph())
+    means = gather_all(ours[1].running_mean)
+    assert torch.equal(means[0], means[1]) and torch.equal(means[2], means[3]) and not torch.allclose(means[0], means[2])
+
+
+class HeadedResidualNet(nn.Module):
+    """Conv, BN, ReLU, a residual block, and a BatchNorm1d head: a model of the user's own (the
+    compiler starts frames in it, not in torch.nn's containers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU())
+        self.block = ResidualBlock()
+        self.head = nn.BatchNorm1d(4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.block(self.stem(x)).mean((2, 3)))
+
+
+def graph_breaks(model: nn.Module, x: Tensor, steps: int = 2) -> int:
+    """Graph breaks of ``steps`` training steps of ``torch.compile(model)``."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager")
+    for _ in range(steps):
+        compiled(x).sum().backward()
+    breaks = sum(counters["graph_break"].values())
+    torch._dynamo.reset()
+    return breaks
+
+
+@across_processes(2)
+def test_compiled_ddp_adds_no_graph_break(rank: int, world: int) -> None:
+    # torch.compile(DDP(model)): DDP's own breaks, and none of ours beyond them
+    torch.manual_seed(0)
+    theirs = HeadedResidualNet().double()
+    ours = NN.convert_sync_batchnorm(copy.deepcopy(theirs))
+    x = torch.randn(3 + rank, 3, 4, 4, dtype=torch.float64)
+    torch_breaks = graph_breaks(DistributedDataParallel(theirs), x)
+    assert torch_breaks > 0  # DDP's own
+    assert graph_breaks(DistributedDataParallel(ours), x) == torch_breaks
+
+
+@across_processes(2)
+def test_compiled_replicas_inside_ranks_break_the_graph(rank: int, world: int) -> None:
+    # two levels: replicas of one process meet eagerly, so there the layer is a graph break
+    # (fullgraph refuses, at trace time: nothing waits for the other replica)
+    import torch._dynamo
+
+    from helpers import stock_replicas
+
+    torch._dynamo.reset()
+    replica = stock_replicas(NN.convert_sync_batchnorm(conv_bn_2d().double()), 2)[0]
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="disable"):
+        torch.compile(replica, fullgraph=True, backend="aot_eager")(torch.randn(2, 3, 3, 3, dtype=torch.float64))
+    torch._dynamo.reset()
 
 
 # --- deferred checks (SYNCBN_CHECKS=step, the default for CUDA tensors) -------------------------

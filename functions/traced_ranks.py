@@ -1,0 +1,130 @@
+"""Synchronized batch norm across ranks as code that torch.compile traces: the statistics travel
+through PyTorch's functional collectives (``torch.distributed._functional_collectives``, the
+``_c10d_functional`` operators), so that the exchange is part of the compiled graph instead of a
+graph break. The math is the eager path's (:mod:`functions.sync_batchnorm`):
+
+Forward: each rank's row ``[layer key, C, dtype code, count, mean (C), M2 (C)]`` (float64) goes
+through ONE all_gather; every rank merges the rows in rank order with Chan's formula on the
+device (:func:`functions.stats.merge_on_device`: the total count never leaves the device), updates
+the running statistics with device ops (:func:`functions.reference.update_running_stats` with a
+device count), and normalizes its own input (``elemt_forward``, with the fused residual and
+activation). Backward: ``[sum_dy, sum_dy_xmu]`` through ONE all_reduce, divided by the device
+count, then ``backward_elemt``; the weight and bias gradients are the rank's own sums (DDP
+averages them).
+
+The checks cannot read the device on the host inside a graph. The header of every rank's row is
+compared on the device, and ``torch._assert_async`` raises where the ranks disagree on the layer,
+the channel count or the dtype, or where the whole batch holds one value per channel (on the CPU
+at once; on CUDA as a device-side assert, which ends the process). What the eager path also
+checks and this one does not: the layer's call count (a Python counter would recompile every
+step), and a rank that fails before the collective is not reported to the others (they wait for
+the process group's timeout).
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd.function import Function
+from torch.distributed import _functional_collectives as funcol
+
+from . import reference
+from .ops import OVERLOADS
+from .reference import STATS_DTYPE, accumulation_dtype, in_dtype, memory_format_of, values_per_channel
+from .stats import merge_on_device
+
+HEADER = 3
+"""Leading values of a rank's row: layer key, channels, dtype code."""
+_DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
+
+
+@torch.compiler.assume_constant_result
+def layer_key(layer: str) -> int:
+    """A number that tells layers apart across ranks (their labels' CRC-32), a constant of the graph."""
+    return zlib.crc32(layer.encode())
+
+
+def _rank_row(x: Tensor, layer: str) -> Tensor:
+    """This rank's row: header, count, mean and M2 (float64)."""
+    mean, m2 = OVERLOADS.local_stats(x)
+    header = torch.tensor(
+        [layer_key(layer), x.size(1), _DTYPE_CODES[x.dtype], values_per_channel(x)], dtype=STATS_DTYPE, device=x.device
+    )
+    return torch.cat([header, mean, m2])
+
+
+def _gathered_stats(x: Tensor, group, layer: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Every rank's row through one all_gather, checked on the device and merged: (total count
+    (0-dim), mean, biased variance), float64."""
+    row = _rank_row(x, layer)
+    world = dist.get_world_size(group)
+    rows = funcol.all_gather_tensor(row, 0, group).view(world, row.numel())
+    channels = x.size(1)
+    total, mean, var = merge_on_device(rows[:, HEADER], rows[:, HEADER + 1 : HEADER + 1 + channels], rows[:, HEADER + 1 + channels :])
+    agree = (rows[:, :HEADER] == row[:HEADER]).all()
+    torch._assert_async(
+        agree & (total != 1),
+        f"{layer}: the ranks disagree on the layer, its channels or its dtype, or the whole batch holds "
+        "one value per channel (checked on the device under torch.compile)",
+    )
+    return total, mean, var
+
+
+class TracedSyncFunction(Function):
+    """The normalization and its backward with the all_reduce of the sums (see the module
+    docstring). ``apply(x, weight, bias, residual, mean, invstd, total, group, negative_slope)``
+    returns y; mean and invstd (accumulation dtype) and ``total`` (the device count) are not
+    differentiable."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, mean, invstd, total, group, negative_slope):  # type: ignore[override]
+        ctx.save_for_backward(x, weight, bias, residual, mean, invstd, total)
+        ctx.group, ctx.negative_slope = group, negative_slope
+        return OVERLOADS.elemt_forward(x, mean, invstd, weight, bias, residual, negative_slope)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):  # type: ignore[override]
+        x, weight, bias, residual, mean, invstd, total = ctx.saved_tensors
+        dy = grad_output.contiguous(memory_format=memory_format_of(x))
+        if ctx.negative_slope is None and residual is None:
+            g = dy
+            sum_dy, sum_dy_xmu = OVERLOADS.backward_reduce(dy, x, mean)
+        else:  # dy through the activation, and its sums, in one pass
+            _, g, sum_dy, sum_dy_xmu = OVERLOADS.backward_affine_act(
+                dy, x, mean, invstd, weight, bias, residual, ctx.negative_slope, False, True, True
+            )
+        sums = funcol.all_reduce(torch.cat([sum_dy, sum_dy_xmu]), "sum", ctx.group)
+        total_dy, total_dy_xmu = sums.split(x.size(1))
+        total_dy, total_dy_xmu, count = reference.sums_per_value(total_dy, total_dy_xmu, total)
+        grad_input = OVERLOADS.backward_elemt(g, x, mean, invstd, weight, total_dy, total_dy_xmu, count)
+        grad_weight = None if weight is None else in_dtype(sum_dy_xmu * invstd, weight.dtype)
+        grad_bias = None if bias is None else in_dtype(sum_dy, bias.dtype)
+        grad_residual = None if residual is None else g
+        return grad_input, grad_weight, grad_bias, grad_residual, None, None, None, None, None
+
+
+def traced_sync_batch_norm(
+    input: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    momentum: float | None,
+    eps: float,
+    *,
+    num_batches_tracked: Tensor | None,
+    group,
+    layer: str,
+    residual: Tensor | None = None,
+    negative_slope: float | None = None,
+) -> Tensor:
+    """:func:`functions.sync_batch_norm` over the ranks of ``group`` (no replicas in the
+    process), in ops that torch.compile traces, collectives included. Same arguments and results."""
+    x = input.contiguous(memory_format=memory_format_of(input))
+    total, mean, var = _gathered_stats(x.detach(), group, layer)  # the Function's backward covers them
+    with torch.no_grad():
+        reference.update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, total)
+    mean_acc, invstd = reference.normalization(mean, var, eps, accumulation_dtype(x.dtype))
+    return TracedSyncFunction.apply(x, weight, bias, residual, mean_acc, invstd, total, group, negative_slope)
