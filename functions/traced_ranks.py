@@ -22,13 +22,12 @@ the process group's timeout).
 """
 from __future__ import annotations
 
-import zlib
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import Function
-from torch.distributed import _functional_collectives as funcol
 
 from . import reference
 from .ops import OVERLOADS
@@ -40,10 +39,21 @@ HEADER = 3
 _DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
 
 
-@torch.compiler.assume_constant_result
 def layer_key(layer: str) -> int:
-    """A number that tells layers apart across ranks (their labels' CRC-32), a constant of the graph."""
-    return zlib.crc32(layer.encode())
+    """A number that tells layers apart across ranks (a polynomial hash of their labels, the same
+    in every process), in Python that the compiler folds into a constant of the graph."""
+    key = 0
+    for character in layer:
+        key = (key * 131 + ord(character)) % 2147483647
+    return key
+
+
+def _funcol() -> ModuleType:
+    """torch.distributed._functional_collectives, imported at the first traced call (importing it
+    with the library would load the compiler stack, which eager users never need)."""
+    from torch.distributed import _functional_collectives
+
+    return _functional_collectives
 
 
 def _rank_row(x: Tensor, layer: str) -> Tensor:
@@ -60,7 +70,7 @@ def _gathered_stats(x: Tensor, group, layer: str) -> tuple[Tensor, Tensor, Tenso
     (0-dim), mean, biased variance), float64."""
     row = _rank_row(x, layer)
     world = dist.get_world_size(group)
-    rows = funcol.all_gather_tensor(row, 0, group).view(world, row.numel())
+    rows = _funcol().all_gather_tensor(row, 0, group).view(world, row.numel())
     channels = x.size(1)
     total, mean, var = merge_on_device(rows[:, HEADER], rows[:, HEADER + 1 : HEADER + 1 + channels], rows[:, HEADER + 1 + channels :])
     agree = (rows[:, :HEADER] == row[:HEADER]).all()
@@ -95,7 +105,7 @@ class TracedSyncFunction(Function):
             _, g, sum_dy, sum_dy_xmu = OVERLOADS.backward_affine_act(
                 dy, x, mean, invstd, weight, bias, residual, ctx.negative_slope, False, True, True
             )
-        sums = funcol.all_reduce(torch.cat([sum_dy, sum_dy_xmu]), "sum", ctx.group)
+        sums = _funcol().all_reduce(torch.cat([sum_dy, sum_dy_xmu]), "sum", ctx.group)
         total_dy, total_dy_xmu = sums.split(x.size(1))
         total_dy, total_dy_xmu, count = reference.sums_per_value(total_dy, total_dy_xmu, total)
         grad_input = OVERLOADS.backward_elemt(g, x, mean, invstd, weight, total_dy, total_dy_xmu, count)
