@@ -1,4 +1,4 @@
-"""Builds the compiled kernels (``src/``) of the ``functions`` package as torch cpp_extensions;
+"""Builds the compiled kernels (``src/``) of the ``syncbn.functions`` package (the ``functions/`` directory) as torch cpp_extensions;
 the project's metadata (name, version, dependencies, the ``functions`` and ``modules``
 packages) is in ``pyproject.toml``.
 
@@ -53,7 +53,9 @@ CPU_CAPABILITY_FLAGS = {
     "DEFAULT": [],
 }
 DEFAULT_CUDA_ARCHS = "7.5;8.0;8.7;9.0+PTX"
-CUDA_EXTENSION = "functions._C_cuda"
+CUDA_EXTENSION = "syncbn.functions._C_cuda"
+PACKAGE_DIRS = {"syncbn.functions": "functions", "syncbn.modules": "modules"}
+"""Where the packages live in the repository (pyproject.toml's package-dir)."""
 SKIP_HINT = "SYNCBN_CUDA=0 skips the CUDA kernels; SYNCBN_CUDA=1 makes any CUDA failure an error"
 
 
@@ -93,7 +95,7 @@ def sources(*patterns: str) -> list[str]:
 
 def cpu_extension(capability: str) -> cpp_extension.CppExtension:
     return cpp_extension.CppExtension(
-        name=f"functions._C_{capability.lower()}",
+        name=f"syncbn.functions._C_{capability.lower()}",
         sources=sources("src/bindings.cpp", "src/train_forward.cpp", "src/sync_batch_norm.cpp", "src/cpu/*.cpp"),
         include_dirs=[os.path.join(ROOT, "src")],
         extra_compile_args={"cxx": cpu_compile_args(capability)},
@@ -292,7 +294,8 @@ build's output, so functions/backend.py says it again at import (and in backend_
 def failure_note_paths(ext_name: str, build_lib: str) -> list[str]:
     package, _, name = ext_name.rpartition(".")
     note = FAILURE_NOTE.format(name=name)
-    return [os.path.join(ROOT, *package.split("."), note), os.path.join(build_lib, *package.split("."), note)]
+    in_repository = PACKAGE_DIRS.get(package, package.replace(".", os.sep))
+    return [os.path.join(ROOT, in_repository, note), os.path.join(build_lib, *package.split("."), note)]
 
 
 class BuildExtension(cpp_extension.BuildExtension):

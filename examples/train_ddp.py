@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
-import sys
 from datetime import timedelta
 
 import torch
@@ -22,8 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from modules import nn as NN  # noqa: E402
+from syncbn import nn as NN  # noqa: E402  (pip install --no-build-isolation -e . at the repository)
 
 
 def build_model(classes: int) -> nn.Module:

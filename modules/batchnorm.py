@@ -11,15 +11,15 @@ from torch import Tensor
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from functions import frozen_batch_norm, sync_batch_norm
-from functions.sync_batchnorm import native_serves, native_sync_batch_norm
-from functions.traced_ranks import traced_sync_batch_norm
-from functions.lone_replica import takes_our_kernels
-from functions.distributed import ProcessGroupSync, active_process_group, consecutive_rank_groups
-from functions.reference import values_per_channel
-from functions.stats import check_values_per_channel
-from functions.synchronization import Synchronizer
-from functions.replicas import REPLICA_ATTR, ReplicaHandle, RoundTracker, resolve_timeout
+from ..functions import frozen_batch_norm, sync_batch_norm
+from ..functions.sync_batchnorm import native_serves, native_sync_batch_norm
+from ..functions.traced_ranks import traced_sync_batch_norm
+from ..functions.lone_replica import takes_our_kernels
+from ..functions.distributed import ProcessGroupSync, active_process_group, consecutive_rank_groups
+from ..functions.reference import values_per_channel
+from ..functions.stats import check_values_per_channel
+from ..functions.synchronization import Synchronizer
+from ..functions.replicas import REPLICA_ATTR, ReplicaHandle, RoundTracker, resolve_timeout
 
 from .compiler import disable_when_compiling
 

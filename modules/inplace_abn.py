@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from functions.inplace_abn import inplace_abn
-from functions.reference import ABN_ACTIVATIONS
-from functions.synchronization import Synchronizer
+from ..functions.inplace_abn import inplace_abn
+from ..functions.reference import ABN_ACTIVATIONS
+from ..functions.synchronization import Synchronizer
 
 from .batchnorm import SyncBatchNorm
 

@@ -25,8 +25,8 @@ from torch.autograd.function import Function, once_differentiable
 from torch.autograd.graph import increment_version
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from functions.devices import fetch
-from functions.replicas import ReplicaRound, ReplicaSyncError, abort_rounds, replica_rounds, resolve_timeout
+from ..functions.devices import fetch
+from ..functions.replicas import ReplicaRound, ReplicaSyncError, abort_rounds, replica_rounds, resolve_timeout
 
 from .compiler import disable_when_compiling
 from .conversion import name_sync_layers

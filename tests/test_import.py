@@ -18,8 +18,8 @@ LISTING = """
 import sys
 import torch, torch.nn
 before = set(sys.modules)
-from modules import nn as NN
-import modules.parallel, functions
+from syncbn import nn as NN
+import syncbn.parallel, syncbn.functional
 print("\\n".join(sorted(set(sys.modules) - before)))
 """
 
@@ -49,7 +49,7 @@ def test_importing_loads_none_of_the_compiler_stack() -> None:
     listing = run_python(LISTING)
     assert listing.returncode == 0, listing.stderr
     loaded = listing.stdout.split()
-    assert "modules.nn" in loaded
+    assert "syncbn.modules.nn" in loaded
     stack = [name for name in loaded if name.split(".")[:2] in [p.split(".")[:2] for p in COMPILER_STACK]]
     assert stack == [], f"importing the library loaded {len(stack)} modules of the compiler stack: {stack[:10]}"
 
@@ -122,7 +122,8 @@ def test_imports_go_one_way() -> None:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = package + (f".{base}" if base else "")
+                    parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = parent + (f".{base}" if base else "")
                 names.add(base)
                 names.update(f"{base}.{alias.name}" for alias in node.names)
         return names
@@ -131,7 +132,109 @@ def test_imports_go_one_way() -> None:
         for name in sorted(os.listdir(os.path.join(ROOT, package))):
             if not name.endswith(".py") or name in ("nn.py", "__init__.py"):  # the facades
                 continue
-            names = imported(package, os.path.join(ROOT, package, name))
-            assert "modules.nn" not in names, f"{package}/{name} imports the facade modules/nn.py"
+            names = imported(f"syncbn.{package}", os.path.join(ROOT, package, name))
+            assert "syncbn.modules.nn" not in names, f"{package}/{name} imports the facade modules/nn.py"
+            assert not any(n.split(".")[0] in ("modules", "functions") for n in names), (
+                f"{package}/{name} imports the library by the repository's names, not relatively"
+            )
             if package == "functions":
-                assert not any(n.split(".")[0] == "modules" for n in names), f"functions/{name} imports modules"
+                assert not any(n.startswith("syncbn.modules") for n in names), f"functions/{name} imports modules"
+
+
+# --- one import name of our own: syncbn (issue 27) ----------------------------------------------
+
+COLLISION = """
+import os
+from syncbn import nn as NN
+from syncbn.parallel import ThreadedDataParallel
+import syncbn, modules, functions, torch
+assert modules.__file__.startswith(os.getcwd()), modules.__file__  # the user's own
+assert functions.VALUE == 1
+torch.manual_seed(0)
+model = NN.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU()))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+runner = ThreadedDataParallel(model, ["cpu"] * 2)
+for _ in range(2):
+    optimizer.zero_grad()
+    runner(torch.randn(6, 3, 5, 5)).square().mean().backward()
+    optimizer.step()
+assert int(model[1].num_batches_tracked) == 2
+print(type(model[1]).__module__, syncbn.backend_info()["cpu"])
+"""
+
+
+def run_outside(tmp_path, code: str, *args: str) -> subprocess.CompletedProcess:
+    """``code`` run from ``tmp_path`` with the installed package only (no repository on the path)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_a_users_own_modules_and_functions_do_not_collide_with_ours(tmp_path) -> None:
+    (tmp_path / "modules").mkdir()
+    (tmp_path / "modules" / "__init__.py").write_text("")
+    (tmp_path / "functions.py").write_text("VALUE = 1\n")
+    run = run_outside(tmp_path, COLLISION)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("syncbn.modules.batchnorm"), run.stdout
+
+
+def test_the_repository_names_are_the_installed_packages() -> None:
+    import functions
+    import functions.backend
+    import modules
+    import modules.batchnorm
+    import syncbn
+    from modules import nn as NN
+
+    assert modules is syncbn.modules and functions is syncbn.functions and NN is syncbn.nn
+    assert modules.batchnorm is syncbn.modules.batchnorm and functions.backend is syncbn.functions.backend
+    assert NN.SyncBatchNorm2d is syncbn.nn.SyncBatchNorm2d and NN.SyncBatchNorm2d.__module__ == "syncbn.modules.batchnorm"
+    assert syncbn.parallel.ThreadedDataParallel is modules.parallel.ThreadedDataParallel
+    assert syncbn.functional.sync_batch_norm is functions.sync_batch_norm
+
+
+def test_one_top_level_package() -> None:
+    import importlib.metadata
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as config:
+        packages = tomllib.load(config)["tool"]["setuptools"]["packages"]
+    assert all(p == "syncbn" or p.startswith("syncbn.") for p in packages), packages
+    tops = {str(f).split("/")[0] for f in importlib.metadata.distribution("syncbn").files or []}
+    assert not {"modules", "functions"} & tops, tops
+
+
+LOAD_OLD_PICKLES = """
+import pickle, sys, torch
+import syncbn
+old_layer = pickle.loads(bytes.fromhex(sys.argv[1]))
+old_model = torch.load(sys.argv[2], weights_only=False)
+assert type(old_layer) is syncbn.nn.SyncBatchNorm2d and float(old_layer.running_mean[0]) == 2.0
+assert type(old_model[1]) is syncbn.nn.SyncBatchNorm2d and float(old_model[1].running_mean[0]) == 2.0
+old_model(torch.randn(2, 3, 4, 4)).sum().backward()
+print("ok")
+"""
+
+
+def test_pickles_made_under_the_repository_names_keep_loading(tmp_path) -> None:
+    # before the package was syncbn, a pickle named our classes modules.nn.SyncBatchNorm2d
+    import pickle
+
+    import torch
+    from modules import nn as NN
+
+    layer = NN.SyncBatchNorm2d(3)
+    layer.running_mean.fill_(2.0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1), NN.SyncBatchNorm2d(3))
+    model[1].running_mean.fill_(2.0)
+    cls = NN.SyncBatchNorm2d
+    kept = cls.__module__
+    cls.__module__ = "modules.nn"  # pickled as before: pickle finds the same class under that name
+    try:
+        data = pickle.dumps(layer)
+        torch.save(model, tmp_path / "old.pt")
+    finally:
+        cls.__module__ = kept
+    assert b"modules.nn" in data
+    run = run_outside(tmp_path, LOAD_OLD_PICKLES, data.hex(), str(tmp_path / "old.pt"))
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr

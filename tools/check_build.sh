@@ -6,7 +6,8 @@
 #     prints one paragraph with the first error, and the import repeats it in backend_info().
 #     torch.version.cuda is set to "13.0" in the build process, the toolkit is a fake one: this
 #     machine has a CPU build of torch, which cannot link CUDA kernels.
-#  2. The installed packages import from outside the repository, with the compiled kernels.
+#  2. The installed package, syncbn, imports from outside the repository, with the compiled
+#     kernels, and from a directory that holds a user's own modules/ and functions.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -50,11 +51,14 @@ print("check_build: ok     a failed CUDA build keeps the CPU kernels:", info["cp
 PY
 
 cd "$WORK"                                             # outside the repository
+mkdir -p modules && touch modules/__init__.py          # a user's own packages of our old names
+echo "VALUE = 1" > functions.py
 "$PYTHON" - <<'PY'
-import os, functions, modules
-from modules import nn as NN
-import torch
-assert functions.backend_info()["cpu"].startswith("compiled-cpu"), functions.backend_info()
+import os, syncbn
+from syncbn import nn as NN
+import modules, functions, torch
+assert modules.__file__.startswith(os.getcwd()) and functions.VALUE == 1, (modules.__file__, functions.__file__)
+assert syncbn.backend_info()["cpu"].startswith("compiled-cpu"), syncbn.backend_info()
 y = NN.BatchNorm2d(3)(torch.randn(4, 3, 2, 2))
-print("check_build: ok     imported from", os.getcwd(), "->", os.path.dirname(functions.__file__), functions.backend_info()["cpu"])
+print("check_build: ok     imported from", os.getcwd(), "->", os.path.dirname(syncbn.nn.__file__), syncbn.backend_info()["cpu"])
 PY
