@@ -1,5 +1,5 @@
 """Every behaviour of nn.BatchNorm* and nn.SyncBatchNorm that a user can observe, with ours side by
-side (the table "Behaviour against torch's layers" in the README lists them). Where ours differs
+side (the table in docs/behaviour.md lists them). Where ours differs
 on purpose, the test says so."""
 from __future__ import annotations
 
