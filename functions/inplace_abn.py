@@ -173,7 +173,10 @@ def _held_by_this_backward_alone(grad: Tensor, probing: bool = False) -> bool:
     if probing:
         _SOLE_REFERENCES.append(references)
         return False
-    if grad._is_view() or grad._use_count() != 1 or torch._C._storage_Use_Count(grad.untyped_storage()._cdata) != 2:
+    use_count, storage_use_count = getattr(grad, "_use_count", None), getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None or storage_use_count is None:  # a torch without them: never write over dy
+        return False
+    if grad._is_view() or use_count() != 1 or storage_use_count(grad.untyped_storage()._cdata) != 2:
         return False  # the storage's count includes the untyped_storage() just made
     return references <= _sole_references()
 
@@ -298,6 +301,8 @@ def inplace_abn(
         raise ValueError(f"{layer}: activation must be one of {ABN_ACTIVATIONS}, got {activation!r}")
     if not training and (running_mean is None or running_var is None):
         raise ValueError(f"{layer}: fixed statistics (training=False) need running_mean and running_var")
+    if not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() or torch.is_inference_mode_enabled()):
+        _sole_references()  # measured once, here rather than inside a backward
     return InPlaceABNFunction.apply(
         x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, activation,
         float(activation_param), training, sync, layer,
