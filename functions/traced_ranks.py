@@ -138,3 +138,56 @@ def traced_sync_batch_norm(
         reference.update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, total)
     mean_acc, invstd = reference.normalization(mean, var, eps, accumulation_dtype(x.dtype))
     return TracedSyncFunction.apply(x, weight, bias, residual, mean_acc, invstd, total, group, negative_slope)
+
+
+class TracedInPlaceABNFunction(Function):
+    """In-place activated batch norm (:mod:`functions.inplace_abn`) with statistics from
+    :func:`_gathered_stats`: ``apply(x, weight, bias, mean, invstd, total, group, act)`` writes
+    over ``x`` and returns it; the backward's sums go through one all_reduce."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, mean, invstd, total, group, act):  # type: ignore[override]
+        OVERLOADS.abn_forward_(x, mean, invstd, weight, bias, *act)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(x, invstd, weight, bias, total)
+        ctx.group, ctx.act = group, act
+        return x
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):  # type: ignore[override]
+        y, invstd, weight, bias, total = ctx.saved_tensors
+        dy = grad_output.contiguous(memory_format=memory_format_of(y))
+        sum_dz, sum_xhat_dz = OVERLOADS.abn_backward_reduce(y, dy, weight, bias, *ctx.act)
+        sums = _funcol().all_reduce(torch.cat([sum_dz, sum_xhat_dz]), "sum", ctx.group)
+        total_dz, total_xhat_dz = sums.split(y.size(1))
+        total_dz, total_xhat_dz, count = reference.sums_per_value(total_dz, total_xhat_dz, total)
+        grad_input = OVERLOADS.abn_backward_elemt(y, dy, invstd, weight, bias, *ctx.act, total_dz, total_xhat_dz, count)
+        grad_weight = None if weight is None else in_dtype(torch.where(weight < 0, -sum_xhat_dz, sum_xhat_dz), weight.dtype)
+        grad_bias = None if bias is None else in_dtype(sum_dz, bias.dtype)
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
+def traced_inplace_abn(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    momentum: float | None,
+    eps: float,
+    activation: str,
+    activation_param: float,
+    *,
+    num_batches_tracked: Tensor | None,
+    group,
+    layer: str,
+) -> Tensor:
+    """:func:`functions.inplace_abn.inplace_abn` with batch statistics over the ranks of
+    ``group`` (no replicas in the process), in ops that torch.compile traces. ``x`` (contiguous
+    or channels_last) is written over and returned."""
+    total, mean, var = _gathered_stats(x.detach(), group, layer)
+    with torch.no_grad():
+        reference.update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, total)
+    mean_acc, invstd = reference.normalization(mean, var, eps, accumulation_dtype(x.dtype))
+    act = (eps, activation, float(activation_param))
+    return TracedInPlaceABNFunction.apply(x, weight, bias, mean_acc, invstd, total, group, act)

@@ -14,7 +14,8 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from ..functions.inplace_abn import inplace_abn
-from ..functions.reference import ABN_ACTIVATIONS
+from ..functions.reference import ABN_ACTIVATIONS, memory_format_of
+from ..functions.traced_ranks import traced_inplace_abn
 from ..functions.synchronization import Synchronizer
 
 from .batchnorm import SyncBatchNorm
@@ -155,8 +156,20 @@ class InPlaceABN(ABN):
         self._check_batch_eps()
         meeting = self._meeting()
         if meeting is not None:
-            return self._forward_synced(input, None, *meeting)
+            handle, group = meeting
+            if handle is None and torch.compiler.is_compiling() and input.is_contiguous(memory_format=memory_format_of(input)):
+                return self._inplace_traced(input, group)
+            return self._forward_synced(input, None, handle, group)
         return self._inplace(input, None, batch_stats=True)
+
+    def _inplace_traced(self, input: Tensor, group: Any) -> Tensor:
+        """Ranks alone under torch.compile: the exchange in the graph (:mod:`functions.traced_ranks`)."""
+        updates = self.track_running_stats
+        return traced_inplace_abn(
+            input, self.weight, self.bias, self.running_mean if updates else None, self.running_var if updates else None,
+            self.momentum, self.eps, self.activation, self.activation_param,
+            num_batches_tracked=self.num_batches_tracked if updates else None, group=group, layer=self._label(),
+        )
 
     def _check_writable(self, input: Tensor) -> None:
         if input.is_leaf and input.requires_grad and torch.is_grad_enabled():

@@ -581,6 +581,15 @@ def test_compiled_frozen_fused_and_options(rank: int, world: int) -> None:
         train_against_full_batch(lambda: conv_bn_2d(affine=False), [3, 2], (3, 3, 3), steps=2, compiled=compile_fullgraph())
 
 
+@across_processes(2)
+def test_compiled_inplace_abn(rank: int, world: int) -> None:
+    # the in-place layers meet in the graph too (TracedInPlaceABNFunction), an empty rank included
+    with no_recompiles():
+        train_against_full_batch(conv_abn_2d, [4, 3], (3, 4, 5), make_ours=in_place, compiled=compile_fullgraph())
+    with no_recompiles():
+        train_against_full_batch(conv_abn_2d, [5, 0], (3, 3, 3), make_ours=in_place, steps=2, compiled=compile_fullgraph())
+
+
 @across_processes(4)
 def test_compiled_subgroups(rank: int, world: int) -> None:
     group = NN.consecutive_rank_groups(2)
