@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 
-from bench_memory import machine  # noqa: E402
+from bench_cpu import cpu_model, publish  # noqa: E402
 from bench_sync_overhead import small_resnet  # noqa: E402
 from testkit.local_group import run_local_group  # noqa: E402
 
@@ -76,7 +76,7 @@ def report(times: dict[str, float]) -> str:
         BEGIN,
         "## torch.compile across ranks (bench_compile_ranks.py)",
         "",
-        f"Machine: {machine()}, no GPU; torch {torch.__version__}; {datetime.date.today()}. The small ResNet "
+        f"Machine: {os.cpu_count()}-core {cpu_model()}, no GPU; torch {torch.__version__}; {datetime.date.today()}. The small ResNet "
         "(17 batch norms, residual adds), a local batch of (8, 3, 16, 16) float32, one training step under DDP "
         "over 2 Gloo ranks (one intra-op thread each), ms, the slowest rank's median:",
         "",
@@ -91,16 +91,6 @@ def report(times: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-def write_results(text: str) -> None:
-    path = ROOT / "benchmarks" / "RESULTS.md"
-    current = path.read_text()
-    if BEGIN in current:
-        current = current[: current.index(BEGIN)] + text + current[current.index(END) + len(END) :]
-    else:
-        current = current.rstrip() + "\n\n" + text + "\n"
-    path.write_text(current)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
@@ -110,9 +100,7 @@ def main() -> None:
     per_rank = run_local_group(rank_times, 2, steps, rounds, timeout_s=1200)
     times = {name: max(rank[name] for rank in per_rank) for name in CONTENDERS}
     text = report(times)
-    print(text)
-    if not args.no_write:
-        write_results(text)
+    publish(text, not args.no_write, BEGIN, END)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ import datetime
 import gc
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from bench_cpu import cpu_model, publish  # noqa: E402  (benchmarks/ is on the path as a script)
 from functions import backend_info  # noqa: E402
 from modules import nn as NN  # noqa: E402
 
@@ -121,24 +121,13 @@ def largest_batch(kind: str, layout: str, budget: int, low: int, high: int) -> i
     return best
 
 
-def machine() -> str:
-    model = platform.processor() or "unknown CPU"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{os.cpu_count()}-core {model}"
-
-
 def report(batch: int, rows: list[dict], budget: int, fits: dict[tuple[str, str], int]) -> str:
     torch_over = {r["layout"]: r["over"] for r in rows if r["kind"] == "torch"}
     lines = [
         BEGIN,
         "## Activation memory of a training step (bench_memory.py)",
         "",
-        f"Machine: {machine()}, no GPU; torch {torch.__version__}; kernels {backend_info()['cpu']}; "
+        f"Machine: {os.cpu_count()}-core {cpu_model()}, no GPU; torch {torch.__version__}; kernels {backend_info()['cpu']}; "
         f"{datetime.date.today()}. {BLOCKS} blocks of conv 3x3 + batch norm + LeakyReLU, {CHANNELS} channels, "
         f"a pooled linear head, batch ({batch}, 3, {SIDE}, {SIDE}) float32, cross-entropy; the step's peak resident "
         "memory over the resting memory, each contender in a fresh process.",
@@ -153,17 +142,6 @@ def report(batch: int, rows: list[dict], budget: int, fits: dict[tuple[str, str]
     lines += [f"- {layout}, {kind}: {fits[kind, layout]}" for kind, layout in fits]
     lines.append(END)
     return "\n".join(lines)
-
-
-def write_results(text: str) -> None:
-    path = ROOT / "benchmarks" / "RESULTS.md"
-    current = path.read_text()
-    if BEGIN in current:
-        start, end = current.index(BEGIN), current.index(END) + len(END)
-        current = current[:start] + text + current[end:]
-    else:
-        current = current.rstrip() + "\n\n" + text + "\n"
-    path.write_text(current)
 
 
 def main() -> None:
@@ -186,9 +164,7 @@ def main() -> None:
     high = 4 * batch * budget // max(1, rows[0]["over"]) + 1
     fits = {(kind, layout): largest_batch(kind, layout, budget, 1, high) for layout in LAYOUTS for kind in ("torch", "ours-inplace")}
     text = report(batch, rows, budget, fits)
-    print(text)
-    if not args.no_write:
-        write_results(text)
+    publish(text, not args.no_write, BEGIN, END)
 
 
 if __name__ == "__main__":
