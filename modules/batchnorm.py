@@ -178,7 +178,7 @@ class SyncBatchNorm(_BatchNorm):
         if self.activation == "relu":
             return F.relu(y)
         if self.activation == "leaky_relu":
-            return F.leaky_relu(y, self.negative_slope)
+            return F.leaky_relu(y, self._negative_slope())
         return y
 
     def _check_input_dim(self, input: Tensor) -> None:

@@ -95,15 +95,6 @@ class ABN(SyncBatchNorm):
     def _fuses(self, z: Tensor | None) -> bool:
         return z is not None or self.activation in _FUSED_SLOPE
 
-    def _activate(self, y: Tensor, z: Tensor | None) -> Tensor:
-        if z is not None:
-            y = y + z
-        if self.activation == "relu":
-            return F.relu(y)
-        if self.activation == "leaky_relu":
-            return F.leaky_relu(y, self.activation_param)
-        return y
-
     def forward(self, input: Tensor, z: Tensor | None = None) -> Tensor:
         y = super().forward(input, z)
         return F.elu(y, self.activation_param, inplace=True) if self.activation == "elu" else y
