@@ -36,17 +36,7 @@ LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)
 
 def blocks(page: Path) -> list[tuple[str, str]]:
     """(language, text) of every fenced code block of a page."""
-    found, language, lines, inside = [], "", [], False
-    for line in page.read_text(encoding="utf-8").splitlines():
-        match = FENCE.match(line.strip())
-        if not inside and match:
-            inside, language, lines = True, match.group(1).lower(), []
-        elif inside and line.strip() == "```":
-            inside = False
-            found.append((language, "\n".join(lines)))
-        elif inside:
-            lines.append(line)
-    return found
+    return blocks_of(page.read_text(encoding="utf-8"))
 
 
 def prose(page: Path) -> str:
@@ -168,6 +158,7 @@ def test_readme_setup_commands_are_what_ci_runs():
 
 
 def blocks_of(text: str) -> list[tuple[str, str]]:
+    """(language, text) of every fenced code block of a markdown text."""
     found, inside, language, lines = [], False, "", []
     for line in text.splitlines():
         match = FENCE.match(line.strip())
