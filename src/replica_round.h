@@ -1,9 +1,9 @@
 // Where the replicas of one layer meet inside one process, natively: the round of
 // functions/replicas.py (same keys, timeouts, errors and aborts) for the synchronized layer's
 // native path (src/sync_batch_norm.cpp). A replica posts its part of a call and waits without
-// the GIL; the master (index 0) runs the combine over every part once all have arrived and
-// publishes one result per part. Every wait has the round's timeout; a failure, a timeout or an
-// abort from Python breaks the round and wakes every waiter at once.
+// the GIL; once all have arrived, the last to arrive runs the master's (index 0) combine over
+// every part and publishes one result per part. Every wait has the round's timeout; a failure, a
+// timeout or an abort from Python breaks the round and wakes every waiter at once.
 #pragma once
 
 #include <atomic>
@@ -23,7 +23,6 @@
 #include <vector>
 
 namespace syncbn {
-
 // The round was broken (a failure, a timeout, an abort): what a waiting replica raises, as
 // functions.ReplicaSyncError in Python.
 struct RoundBroken : std::runtime_error {
@@ -55,10 +54,13 @@ class ReplicaRound {
     break_round(reason);
   }
 
-  // Post `part` under (`direction`, `call`) and return this replica's result: the master (index 0)
-  // runs `combine` over every part, in index order, outside the lock. Throws RoundBroken when the
-  // round is or gets broken or the wait times out; an exception from `combine` breaks the round
-  // for the others and reaches the master's caller as it is.
+  // Post `part` under (`direction`, `call`) and return this replica's result. The master's
+  // (index 0) `combine` runs once over every part, in index order, outside the lock, on the thread
+  // of the replica that arrives last: that replica is running already, whereas waking a waiting
+  // master costs a thread wake-up (tens of us on a VM) on every meeting. The master's closure stays
+  // alive meanwhile, as the master waits for its result. Throws RoundBroken when the round is or
+  // gets broken or the wait times out; an exception from `combine` breaks the round for the others
+  // and reaches the master's caller as it is (the master's work, whichever thread ran it).
   template <typename Part, typename Result>
   Result exchange(const char* direction, int64_t call, int64_t index, Part part,
                   const std::function<std::vector<Result>(std::vector<Part>&)>& combine) {
@@ -71,25 +73,16 @@ class ReplicaRound {
     if (failure_) throw RoundBroken(where(direction, call, slot.arrived_at) + "; " + *failure_);
     slot.parts[index] = std::move(part);
     slot.arrived_at.push_back(index);
-    if (int64_t(slot.arrived_at.size()) == size_) signal(all_arrived_);
-    if (index == 0) {
-      wait(lock, all_arrived_, direction, call, slot, deadline, [&] { return int64_t(slot.arrived_at.size()) == size_; });
-      std::vector<Part> parts;
-      for (auto& p : slot.parts) parts.push_back(std::move(*p));
-      lock.unlock();
-      std::vector<Result> results;
+    if (index == 0) slot.combine = &combine;
+    if (int64_t(slot.arrived_at.size()) == size_) {
+      combine_all(lock, direction, call, index, slot);
+    } else {
       try {
-        results = combine(parts);
-      } catch (...) {
-        abort(failure_reason(0, std::current_exception()));
+        wait(lock, direction, call, slot, deadline, [&] { return !slot.results.empty(); });
+      } catch (const RoundBroken&) {
+        if (index == 0 && slot.combine_error) std::rethrow_exception(slot.combine_error);
         throw;
       }
-      lock.lock();
-      if (failure_) throw RoundBroken(where(direction, call, slot.arrived_at) + "; " + *failure_);
-      slot.results = std::move(results);
-      signal(published_);
-    } else {
-      wait(lock, published_, direction, call, slot, deadline, [&] { return !slot.results.empty(); });
     }
     Result result = std::move(slot.results[index]);
     if (++slot.taken == size_) slots.erase(call);
@@ -101,9 +94,38 @@ class ReplicaRound {
   struct Slot {
     std::vector<std::optional<Part>> parts;
     std::vector<int64_t> arrived_at;  // indices, in arrival order
-    std::vector<Result> results;      // non-empty once the master published
+    std::vector<Result> results;      // non-empty once published
     int64_t taken = 0;
+    const std::function<std::vector<Result>(std::vector<Part>&)>* combine = nullptr;  // the master's
+    std::exception_ptr combine_error;  // what the master's combine raised, for the master to raise
   };
+
+  // By the last replica to arrive (the lock held): the master's combine over every part, then the
+  // results published. The waiters are woken before the combine so that their wake-up overlaps
+  // it: they spin (yielding the core) until the results are out.
+  template <typename Part, typename Result>
+  void combine_all(std::unique_lock<std::mutex>& lock, const char* direction, int64_t call, int64_t index,
+                   Slot<Part, Result>& slot) {
+    std::vector<Part> parts;
+    for (auto& p : slot.parts) parts.push_back(std::move(*p));
+    const auto& combine = *slot.combine;
+    signal();
+    lock.unlock();
+    std::vector<Result> results;
+    try {
+      results = combine(parts);
+    } catch (...) {
+      lock.lock();
+      slot.combine_error = std::current_exception();
+      break_round(failure_reason(0, slot.combine_error));
+      if (index == 0) throw;
+      throw RoundBroken(where(direction, call, slot.arrived_at) + "; " + *failure_);
+    }
+    lock.lock();
+    if (failure_) throw RoundBroken(where(direction, call, slot.arrived_at) + "; " + *failure_);
+    slot.results = std::move(results);
+    signal();
+  }
   template <typename Part, typename Result>
   using Slots = std::map<int64_t, Slot<Part, Result>>;
 
@@ -120,39 +142,31 @@ class ReplicaRound {
     return std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout_s_));
   }
 
-  void signal(std::condition_variable& condition) {
+  void signal() {
     events_.fetch_add(1, std::memory_order_release);
-    condition.notify_all();
+    changed_.notify_all();
   }
 
   void break_round(const std::string& reason) {
     if (!failure_) failure_ = reason;
-    events_.fetch_add(1, std::memory_order_release);
-    all_arrived_.notify_all();
-    published_.notify_all();
+    signal();
   }
 
   // Wait (the lock held) until ready(), a failure or the deadline. A short spin first, without the
   // lock: on a VM, waking a thread whose vCPU went idle costs more than the other replica's post.
-  // Once every replica has arrived the master's combine decides, so the deadline is extended
-  // once: a replica must not give up on a result that the master is about to publish.
+  // Woken when the last replica arrives, spin again while it combines, whose results are near.
+  // Once every replica has arrived the combine decides, so the deadline is extended once: a
+  // replica must not give up on a result that is about to be published.
   template <typename Part, typename Result, typename Ready>
-  void wait(std::unique_lock<std::mutex>& lock, std::condition_variable& condition, const char* direction,
-            int64_t call, Slot<Part, Result>& slot, std::chrono::steady_clock::time_point deadline, Ready ready) {
-    if (!ready() && !failure_ && spin_.count() > 0) {
-      const auto seen = events_.load(std::memory_order_acquire);
-      lock.unlock();
-      const auto until = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(spin_);
-      while (events_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until) {
-        std::this_thread::yield();
-      }
-      lock.lock();
-    }
-    bool extended = false;
+  void wait(std::unique_lock<std::mutex>& lock, const char* direction, int64_t call, Slot<Part, Result>& slot,
+            std::chrono::steady_clock::time_point deadline, Ready ready) {
+    if (!ready() && !failure_) spin(lock);
+    bool extended = false, spun_while_combining = false;
     while (!ready()) {
       if (failure_) throw RoundBroken(where(direction, call, slot.arrived_at) + "; " + *failure_);
+      const bool all_arrived = int64_t(slot.arrived_at.size()) == size_;
       const auto now = std::chrono::steady_clock::now();
-      if (now >= deadline && !extended && int64_t(slot.arrived_at.size()) == size_) {
+      if (now >= deadline && !extended && all_arrived) {
         deadline += timeout();
         extended = true;
         continue;
@@ -162,8 +176,25 @@ class ReplicaRound {
         break_round("the round was broken: " + message);
         throw RoundBroken(message);
       }
-      condition.wait_until(lock, deadline);
+      if (all_arrived && !spun_while_combining) {
+        spun_while_combining = true;
+        spin(lock);
+        continue;
+      }
+      changed_.wait_until(lock, deadline);
     }
+  }
+
+  // Spin for at most spin_us, yielding the core, without the lock, until something happens.
+  void spin(std::unique_lock<std::mutex>& lock) {
+    if (spin_.count() <= 0) return;
+    const auto seen = events_.load(std::memory_order_acquire);
+    lock.unlock();
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(spin_);
+    while (events_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until) {
+      std::this_thread::yield();
+    }
+    lock.lock();
   }
 
   std::string where(const char* direction, int64_t call, const std::vector<int64_t>& arrived_at) const {
@@ -203,8 +234,8 @@ class ReplicaRound {
   const std::string layer_;
   const int64_t number_;
   std::mutex mutex_;
-  std::condition_variable all_arrived_, published_;  // the master waits on one, the others on the other
-  std::atomic<uint64_t> events_{0};                  // posts that complete a set, publications, aborts
+  std::condition_variable changed_;  // the waiters' wake-up: a set complete, results out, a break
+  std::atomic<uint64_t> events_{0};  // the same events, counted for the spinners
   std::optional<std::string> failure_;
   std::map<const void*, std::shared_ptr<void>> typed_slots_;
 };

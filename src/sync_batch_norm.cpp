@@ -1,12 +1,13 @@
 // The synchronized layer's native path, for every synchronized call where the compiled module is
 // loaded: one call per replica and direction, without the GIL. sync_batch_norm computes this
 // replica's statistics, posts them to its ReplicaRound (src/replica_round.h; none: the only
-// replica of its process) and waits; the master merges every replica's, and, with a process
+// replica of its process) and waits; the master's merge (run by the replica that arrives last,
+// on the master's stream: src/replica_round.h) merges every replica's, and, with a process
 // group, hands the process's part to Python (Synchronizer.merge_with_ranks: the all_gather, its
 // checks, the running statistics), else updates the running statistics itself; it publishes mean
 // and invstd, and each replica normalizes its own input. The backward node does the same with
 // the (sum_dy, sum_dy_xmu) sums (Synchronizer.sum_with_ranks: the all_reduce). Each replica's
-// kernels run in its own thread, on its own stream, in parallel; only the merge is the master's.
+// kernels run in its own thread, on its own stream, in parallel; only the merge is the master's work.
 // The math is functions/sync_batchnorm.py's (the Python path, which serves without this module;
 // there the master does every replica's work, since a Python thread pays for each call into
 // torch with a turn of the GIL), over the same torch.ops.syncbn operators, called through the
@@ -15,6 +16,7 @@
 // functions/devices.py does.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/accumulate.h>
 #include <torch/csrc/Exceptions.h>
@@ -301,6 +303,15 @@ Sums sum_replicas(std::vector<SumsPart>& parts, const Ranks& ranks) {
   return sums;
 }
 
+// `work` on `stream` (and its device) where one is given: the last replica to arrive runs the
+// master's combine on its own thread, but on the master's stream, as the master would.
+template <typename Work>
+auto on_stream(const OptStream& stream, Work work) {
+  std::optional<c10::StreamGuard> guard;
+  if (stream) guard.emplace(*stream);
+  return work();
+}
+
 // A meeting of this replica with the others of its process (none: it is the only one).
 template <typename Part, typename Result>
 Result meet(const std::shared_ptr<ReplicaRound>& round, const char* direction, int64_t call, int64_t index, Part part,
@@ -454,9 +465,10 @@ struct SyncBatchNormBackward : public torch::autograd::Node {
           /*input_grad=*/false, /*residual_grad=*/true, /*sums=*/true);
     }
     // every replica meets, whichever gradients it wants: the others wait for its sums
-    const std::function<std::vector<Sums>(std::vector<SumsPart>&)> combine = [this](std::vector<SumsPart>& parts) {
-      return std::vector<Sums>(parts.size(), sum_replicas(parts, *ranks));
-    };
+    const std::function<std::vector<Sums>(std::vector<SumsPart>&)> combine =
+        [this, stream = current_stream(input.device())](std::vector<SumsPart>& parts) {
+          return on_stream(stream, [&] { return std::vector<Sums>(parts.size(), sum_replicas(parts, *ranks)); });
+        };
     const auto ready = round ? mark_ready(current_stream(input.device())) : nullptr;
     const auto totals = meet<SumsPart, Sums>(round, "backward", call, index, SumsPart{sum_dy, sum_dy_xmu, ready}, combine);
     torch::autograd::variable_list result(4);
@@ -510,8 +522,10 @@ at::Tensor sync_batch_norm(const std::shared_ptr<ReplicaRound>& round, int64_t i
       StatsPart part{mean, m2, ready, x.scalar_type(), x.sizes().vec()};
       const MasterCall master_call{running_mean, running_var, num_batches_tracked, momentum, eps, layer};
       const std::function<std::vector<Normalization>(std::vector<StatsPart>&)> combine =
-          [&master_call, &ranks](std::vector<StatsPart>& parts) {
-            return std::vector<Normalization>(parts.size(), merge_replicas(parts, master_call, *ranks));
+          [&master_call, &ranks, stream = current_stream(x.device())](std::vector<StatsPart>& parts) {
+            return on_stream(stream, [&] {
+              return std::vector<Normalization>(parts.size(), merge_replicas(parts, master_call, *ranks));
+            });
           };
       normalization = meet<StatsPart, Normalization>(round, "forward", call, index, std::move(part), combine);
       normalization.mean = fetch(normalization.mean, x.device(), normalization.ready);

@@ -6,6 +6,7 @@ import copy
 import gc
 import threading
 import time
+from typing import Callable
 
 import pytest
 import torch
@@ -251,6 +252,36 @@ def test_replicas_disagreeing_on_dtype() -> None:
         results = run_threads([lambda r=r, x=x: r(x) for r, x in zip(replicas, inputs)])
     assert isinstance(results[0], RuntimeError) and "replicas disagree" in str(results[0])
     assert isinstance(results[1], ReplicaSyncError)
+    assert int(bn.num_batches_tracked) == 0
+
+
+@pytest.mark.parametrize("path", ["python", "native"])
+@pytest.mark.parametrize("last", [0, 1, 2])
+def test_a_failing_merge_is_the_masters_error_whoever_arrives_last(
+    path: str, last: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # natively the replica that arrives last runs the master's merge on its own thread: its error
+    # (replicas disagreeing on the dtype) still reaches the master's caller as it is, and the
+    # others, the merging replica included, raise ReplicaSyncError naming replica 0
+    exchange_path_of(path, monkeypatch)
+    bn = NN.SyncBatchNorm2d(3, timeout=30)
+    replicas = stock_replicas(bn, 3)
+    inputs = [torch.randn(2, 3, 2, 2), torch.randn(2, 3, 2, 2).bfloat16(), torch.randn(2, 3, 2, 2)]
+
+    def job(index: int) -> Callable[[], object]:
+        def run() -> object:
+            if index == last:
+                time.sleep(0.3)  # the others are waiting by then
+            return replicas[index](inputs[index])
+
+        return run
+
+    with torch.no_grad():
+        results = run_threads([job(i) for i in range(3)])
+    assert isinstance(results[0], RuntimeError) and not isinstance(results[0], ReplicaSyncError), results[0]
+    assert "replicas disagree" in str(results[0])
+    for other in results[1:]:
+        assert isinstance(other, ReplicaSyncError) and "replica 0 failed" in str(other), other
     assert int(bn.num_batches_tracked) == 0
 
 
