@@ -9,7 +9,9 @@ backward (the input requires grad, as inside a network) of a tiny (8, 8, 4, 4) f
   natively (one call per layer and direction, the default with the compiled module) and through
   the Python exchange (what serves without the compiled module);
 - a small ResNet (stem + 8 basic blocks: 17 batch norms, residual adds; batch 16x3x16x16), one
-  training step (forward, loss, backward) under 4 thread replicas, converted against unsynced;
+  training step (forward, loss, backward) under 4 thread replicas, converted against unsynced,
+  with one intra-op thread and with the process's default (the replicas share those; and torch's
+  step once more with every replica starting a team of all of them, as before the share);
 - processes: R Gloo ranks on loopback (one intra-op thread each) under DDP, ours against
   ``nn.BatchNorm2d``, and the two collectives of a layer alone (an all_gather of a 14 + 2C row,
   an all_reduce of 2C + 4 values, float64) in the same processes; every rank runs the same fixed
@@ -26,6 +28,7 @@ backward (the input requires grad, as inside a network) of a tiny (8, 8, 4, 4) f
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import threading
@@ -48,6 +51,7 @@ from functions import backend, checks, distributed  # noqa: E402
 from functions.replicas import ReplicaRound  # noqa: E402
 from helpers import BasicBlock  # noqa: E402
 import modules.batchnorm  # noqa: E402
+import modules.parallel  # noqa: E402
 from modules import nn as NN  # noqa: E402
 from modules.parallel import ThreadedDataParallel  # noqa: E402
 from testkit.local_group import run_local_group  # noqa: E402
@@ -108,19 +112,35 @@ def small_resnet(channels: int = 16, blocks: int = 8) -> nn.Module:
     )
 
 
-def resnet_row(replicas: int, min_run_time: float, rounds: int) -> tuple[float, float]:
+def resnet_step(model: nn.Module, replicas: int, threads: int) -> benchmark.Timer:
+    """One training step of ``model`` under R thread replicas, the caller having ``threads``
+    intra-op threads."""
+    x = torch.randn(16, 3, 16, 16)
+    runner = ThreadedDataParallel(model, ["cpu"] * replicas)
+    return benchmark.Timer("runner(x).square().mean().backward()", globals=dict(runner=runner, x=x), num_threads=threads)
+
+
+def resnet_row(replicas: int, min_run_time: float, rounds: int, threads: int = 1) -> tuple[float, float]:
     """Seconds of one training step of the small ResNet under R thread replicas: converted
     (ours, meeting natively), unsynced."""
     torch.manual_seed(0)
-    theirs = small_resnet()
-    ours = NN.convert_sync_batchnorm(small_resnet())
-    x = torch.randn(16, 3, 16, 16)
     timers = {
-        name: benchmark.Timer("runner(x).square().mean().backward()", globals=dict(runner=ThreadedDataParallel(model, ["cpu"] * replicas), x=x))
-        for name, model in (("ours", ours), ("torch", theirs))
+        "ours": resnet_step(NN.convert_sync_batchnorm(small_resnet()), replicas, threads),
+        "torch": resnet_step(small_resnet(), replicas, threads),
     }
     t = interleaved(timers, min_run_time, rounds)
     return t["ours"], t["torch"]
+
+
+def resnet_without_thread_shares(replicas: int, min_run_time: float, threads: int) -> float:
+    """Seconds of the unsynced small ResNet's step where every CPU replica starts a team of all
+    the caller's ``threads`` (as before ThreadedDataParallel shared them out)."""
+    torch.manual_seed(0)
+    timer = resnet_step(small_resnet(), replicas, threads)
+    every_thread = functools.partial(backend.set_thread_intra_op_threads, threads)  # workers keep their setting: set it
+    with mock.patch.object(modules.parallel, "set_thread_intra_op_threads", lambda share: every_thread()):
+        timer.timeit(3)
+        return timer.blocked_autorange(min_run_time=min_run_time).median
 
 
 def bare_exchange(replicas: int, exchanges: int = 2000) -> float:
@@ -239,6 +259,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 and 4 replicas, 2 ranks, shorter measurements")
     parser.add_argument("--no-write", action="store_true", help="print, do not touch RESULTS.md")
     args = parser.parse_args()
+    default_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     replica_counts = (2, 4) if args.quick else (2, 4, 8)
     worlds = (2,) if args.quick else (2, 4)
@@ -286,6 +307,17 @@ def main() -> None:
         f"replicas: converted {ours * 1e3:.1f} ms, unsynced {theirs * 1e3:.1f} ms, {ours / theirs:.2f}x.",
     ]
     print(lines[-1], flush=True)
+    if default_threads > 1:
+        ours, theirs = resnet_row(4, min_run_time * 4, rounds, default_threads)
+        unshared = resnet_without_thread_shares(4, min_run_time * 4, default_threads)
+        lines += [
+            "",
+            f"The same with the process's default {default_threads} intra-op threads (the 4 CPU replicas share them, "
+            f"{max(1, default_threads // 4)} each): converted {ours * 1e3:.1f} ms, unsynced {theirs * 1e3:.1f} ms, "
+            f"{ours / theirs:.2f}x; unsynced with every replica starting a team of all {default_threads} threads "
+            f"(before the share): {unshared * 1e3:.1f} ms.",
+        ]
+        print(lines[-1], flush=True)
     lines += ["", "The bare Python exchange (`ReplicaRound.exchange`, R threads, a combine that sums ints), per exchange:", ""]
     lines.append(" ".join(f"{r} threads: {us(bare_exchange(r))} us;" for r in replica_counts).rstrip(";"))
     lines.append(END)

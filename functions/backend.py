@@ -216,6 +216,18 @@ serve every synchronized call in one native call per replica and direction, or N
 Python path serves (the autograd Function and :mod:`functions.synchronization`): no compiled
 kernels, the reference asked for, or ``$SYNCBN_NATIVE_ROUNDS=0``. Either serves every device."""
 
+
+def set_thread_intra_op_threads(threads: int) -> bool:
+    """Give this thread ``threads`` intra-op threads: the OpenMP team of the parallel regions that
+    torch's CPU kernels start from it (a per-thread setting in OpenMP), leaving
+    ``torch.set_num_threads``' process-wide value, and so every other thread, alone. Returns
+    whether this thread now has them: False without the compiled module (reference kernels) or
+    where torch does not run on OpenMP (then nothing changed)."""
+    if COMPILED is None:
+        return False
+    return COMPILED.set_thread_intra_op_threads(threads) == threads
+
+
 _BACKEND_NAMES = {
     "cpu": "reference" if COMPILED is None else f"compiled-cpu-{COMPILED.capability.lower()}",
     "cuda": "reference" if FORCE_REFERENCE else "torch-cuda-ops" if COMPILED_CUDA is None else "compiled-cuda",

@@ -25,6 +25,7 @@ from torch.autograd.function import Function, once_differentiable
 from torch.autograd.graph import increment_version
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..functions.backend import set_thread_intra_op_threads
 from ..functions.devices import fetch
 from ..functions.replicas import ReplicaRound, ReplicaSyncError, abort_rounds, replica_rounds, resolve_timeout
 
@@ -122,16 +123,23 @@ def _replicate(module: nn.Module, devices: Sequence[torch.device]) -> tuple[list
 
 
 class _ThreadState:
-    """The caller's thread-local state (grad mode, autocast, CUDA stream) for worker threads."""
+    """The caller's thread-local state (grad mode, autocast, CUDA stream) for worker threads, and
+    each CPU replica's share of the caller's intra-op threads."""
 
     def __init__(self, devices: Sequence[torch.device]) -> None:
         self.grad_enabled = torch.is_grad_enabled()
         types = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
         self.autocast = [(t, torch.get_autocast_dtype(t)) for t in types if torch.is_autocast_enabled(t)]
         self.streams = {d: torch.cuda.current_stream(d) for d in devices if d.type == "cuda"}
+        # CPU replicas run at once: each starting a team of all the caller's threads would put
+        # R x threads on the cores (measured: a small ResNet step under 4 CPU replicas on 2
+        # vCPUs took 100 ms so, 24 ms with one thread each; benchmarks/RESULTS.md)
+        self.cpu_threads = max(1, torch.get_num_threads() // max(1, sum(d.type == "cpu" for d in devices)))
 
     @contextmanager
     def on(self, device: torch.device) -> Iterator[None]:
+        if device.type == "cpu":
+            set_thread_intra_op_threads(self.cpu_threads)
         with ExitStack() as stack:
             stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
             for device_type, dtype in self.autocast:
@@ -552,7 +560,9 @@ class ThreadedDataParallel(nn.Module):
 
     Behaves like ``nn.DataParallel``: scatters positional and keyword tensors along ``dim`` into
     at most ``len(devices)`` chunks, runs one replica per chunk in its own thread (under the
-    caller's grad mode and autocast), and gathers the outputs on ``output_device`` (default
+    caller's grad mode and autocast; CPU replicas share the caller's ``torch.get_num_threads()``
+    intra-op threads, ``max(1, threads // cpu_replicas)`` each, where the compiled module is
+    loaded), and gathers the outputs on ``output_device`` (default
     ``devices[0]``). Parameter gradients land on the original module; running statistics of
     replica 0 (on ``devices[0]``) are the module's own. Each replica's backward runs on its own
     thread (never on the autograd engine's device threads), so synchronized batch norm replicas

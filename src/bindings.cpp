@@ -1,8 +1,12 @@
 // The Python module functions._C_<capability> (see setup.py). Importing it registers the CPU
 // kernels as the CPU implementations of the torch.ops.syncbn operators (declared in
 // functions/ops.py); the module itself only says which instruction set it was built for.
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <torch/library.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "cpu/batch_norm_cpu.h"
 
@@ -10,10 +14,25 @@ SYNCBN_REGISTER_KERNELS(CPU, syncbn::cpu)
 
 namespace syncbn {
 void bind_sync_batch_norm(pybind11::module_& m);  // src/sync_batch_norm.cpp
+
+// This thread's intra-op threads: the OpenMP team of the parallel regions that torch's CPU kernels
+// start from it (a per-thread setting in OpenMP), without touching torch.set_num_threads'
+// process-wide value, which every new thread starts from. Returns at::get_num_threads() on this
+// thread afterwards (unchanged where torch does not run on OpenMP).
+int set_thread_intra_op_threads(int threads) {
+  TORCH_CHECK(threads > 0, "set_thread_intra_op_threads: expected a positive number of threads, got ", threads);
+  at::get_num_threads();  // torch's lazy per-thread initialization first, which would undo what follows
+#ifdef _OPENMP
+  omp_set_num_threads(threads);
+#endif
+  return at::get_num_threads();
 }
+}  // namespace syncbn
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "CPU kernels of the synchronized batch norm, registered as torch.ops.syncbn.* for CPU tensors";
   m.attr("capability") = syncbn::cpu::capability();
   syncbn::bind_sync_batch_norm(m);
+  m.def("set_thread_intra_op_threads", &syncbn::set_thread_intra_op_threads, pybind11::arg("threads"),
+        "This thread's intra-op threads (OpenMP), leaving torch.set_num_threads' process-wide value alone");
 }

@@ -354,3 +354,54 @@ def test_small_batch_with_non_tensor_keyword_arguments() -> None:
 
     x = torch.randn(2, 3)
     torch.testing.assert_close(ThreadedDataParallel(Model(), ["cpu"] * 4)(x, scale=2.0), x * 2)
+
+
+class _ThreadsSeenInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seen: list) -> torch.Tensor:  # type: ignore[override]
+        ctx.seen = seen
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        ctx.seen.append(("backward", torch.get_num_threads()))
+        return grad, None
+
+
+class ThreadsSeen(nn.Module):
+    """Records the intra-op threads that torch's kernels get in the replica's thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(("forward", torch.get_num_threads()))
+        return _ThreadsSeenInBackward.apply(x, self.seen)
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+def test_cpu_replicas_share_the_callers_intra_op_threads(replicas: int) -> None:
+    # R replica threads, each starting a team of all the caller's threads, would put R x threads
+    # on the cores; each takes its share instead, and the caller's own setting stays as it was
+    from functions import backend
+
+    if backend.COMPILED is None:
+        pytest.skip("the per-thread setting needs the compiled module")
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        probe = ThreadsSeen()
+        runner = ThreadedDataParallel(probe, ["cpu"] * replicas)
+        x = torch.randn(2 * replicas, 3, requires_grad=True)
+        runner(x).sum().backward()
+        share = max(1, 4 // replicas)
+        assert sorted(probe.seen) == sorted([("forward", share)] * replicas + [("backward", share)] * replicas)
+        assert torch.get_num_threads() == 4
+        seen_elsewhere: list[int] = []
+        thread = threading.Thread(target=lambda: seen_elsewhere.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert seen_elsewhere == [4]  # a new thread starts from the process-wide value, untouched
+    finally:
+        torch.set_num_threads(before)
