@@ -138,6 +138,9 @@ class ReplicaRound:
     def native(self) -> Any:
         """The round's native side (:data:`functions.backend.NATIVE_ROUNDS`), made at its first
         native exchange, which seals the round; broken already where the round is."""
+        native = self._native  # set once, never unset: read without the lock on every call after
+        if native is not None:
+            return native
         with self._lock:
             if self._native is None:
                 self._sealed = True

@@ -297,11 +297,14 @@ class SyncBatchNorm(_BatchNorm):
     def _forward_synced(self, input: Tensor, z: Tensor | None, handle: ReplicaHandle | None, group: Any) -> Tensor:
         """Replicas (``handle``) and/or ranks (``group``) exchange statistics, eagerly:
         torch.compile breaks the graph here (:func:`~modules.compiler.disable_when_compiling`)."""
-        device = self.weight.device if self.weight is not None else input.device
-        sync = Synchronizer.for_call(handle, group, self._process_sync, self._label(), self.num_features, device)
+        # the device that a failure report to the ranks is made on (none made without ranks)
+        weight = self.weight if group is not None else None
+        device = weight.device if weight is not None else input.device
+        label = self._label()
+        sync = Synchronizer.for_call(handle, group, self._process_sync, label, self.num_features, device)
         try:
             self._check_input(input, z)
-            return self._synced(input, z, sync)
+            return self._synced(input, z, sync, label)
         except BaseException as error:
             sync.fail(error)
             raise
@@ -312,16 +315,16 @@ class SyncBatchNorm(_BatchNorm):
         self._check_input(input, z)
         return self._batch_stats(traced_sync_batch_norm, input, z, group=group)
 
-    def _synced(self, input: Tensor, z: Tensor | None, sync: Synchronizer) -> Tensor:
+    def _synced(self, input: Tensor, z: Tensor | None, sync: Synchronizer, label: str) -> Tensor:
         """The synchronized call itself, its input checked: natively where the compiled module
         serves, else through the autograd Function."""
         function = native_sync_batch_norm if native_serves() else sync_batch_norm
-        return self._batch_stats(function, input, z, sync=sync)
+        return self._batch_stats(function, input, z, label, sync=sync)
 
-    def _batch_stats(self, function: Any, input: Tensor, z: Tensor | None, **meeting: Any) -> Tensor:
+    def _batch_stats(self, function: Any, input: Tensor, z: Tensor | None, label: str | None = None, **meeting: Any) -> Tensor:
         """``function`` (:func:`~functions.sync_batch_norm` or
         :func:`~functions.sync_batchnorm.native_sync_batch_norm`) on this layer's state, with
-        ``meeting`` (its ``sync``)."""
+        ``meeting`` (its ``sync``); ``label``: :meth:`_label`, where the caller made it already."""
         updates = self.training and self.track_running_stats
         return function(
             input,
@@ -332,7 +335,7 @@ class SyncBatchNorm(_BatchNorm):
             self.momentum,
             self.eps,
             num_batches_tracked=self.num_batches_tracked if updates else None,
-            layer=self._label(),
+            layer=label if label is not None else self._label(),
             residual=z,
             negative_slope=self._negative_slope(),
             **meeting,
