@@ -80,7 +80,12 @@ class ReplicaRound {
       try {
         wait(lock, direction, call, slot, deadline, [&] { return !slot.results.empty(); });
       } catch (const RoundBroken&) {
-        if (index == 0 && slot.combine_error) std::rethrow_exception(slot.combine_error);
+        if (index == 0) {
+          // the combine may be running on another thread with this frame's closure: never leave
+          // before it ends (it is bounded: local work, or collectives with their own timeouts)
+          changed_.wait(lock, [&] { return !slot.combining; });
+          if (slot.combine_error) std::rethrow_exception(slot.combine_error);
+        }
         throw;
       }
     }
@@ -98,6 +103,7 @@ class ReplicaRound {
     int64_t taken = 0;
     const std::function<std::vector<Result>(std::vector<Part>&)>* combine = nullptr;  // the master's
     std::exception_ptr combine_error;  // what the master's combine raised, for the master to raise
+    bool combining = false;            // the combine runs (outside the lock): the master must not leave
   };
 
   // By the last replica to arrive (the lock held): the master's combine over every part, then the
@@ -109,20 +115,28 @@ class ReplicaRound {
     std::vector<Part> parts;
     for (auto& p : slot.parts) parts.push_back(std::move(*p));
     const auto& combine = *slot.combine;
+    slot.combining = true;
     signal();
     lock.unlock();
     std::vector<Result> results;
+    std::exception_ptr error;
     try {
       results = combine(parts);
     } catch (...) {
-      lock.lock();
-      slot.combine_error = std::current_exception();
-      break_round(failure_reason(0, slot.combine_error));
-      if (index == 0) throw;
-      throw RoundBroken(where(direction, call, slot.arrived_at) + "; " + *failure_);
+      error = std::current_exception();
     }
     lock.lock();
-    if (failure_) throw RoundBroken(where(direction, call, slot.arrived_at) + "; " + *failure_);
+    slot.combining = false;
+    if (error) {
+      slot.combine_error = error;
+      break_round(failure_reason(0, error));  // wakes the master too
+      if (index == 0) std::rethrow_exception(error);
+      throw RoundBroken(where(direction, call, slot.arrived_at) + "; " + *failure_);
+    }
+    if (failure_) {
+      signal();  // a master waiting for the combine to end
+      throw RoundBroken(where(direction, call, slot.arrived_at) + "; " + *failure_);
+    }
     slot.results = std::move(results);
     signal();
   }
