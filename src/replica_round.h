@@ -23,6 +23,7 @@
 #include <vector>
 
 namespace syncbn {
+
 // The round was broken (a failure, a timeout, an abort): what a waiting replica raises, as
 // functions.ReplicaSyncError in Python.
 struct RoundBroken : std::runtime_error {
