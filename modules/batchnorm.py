@@ -300,11 +300,10 @@ class SyncBatchNorm(_BatchNorm):
         # the device that a failure report to the ranks is made on (none made without ranks)
         weight = self.weight if group is not None else None
         device = weight.device if weight is not None else input.device
-        label = self._label()
-        sync = Synchronizer.for_call(handle, group, self._process_sync, label, self.num_features, device)
+        sync = Synchronizer.for_call(handle, group, self._process_sync, self._label(), self.num_features, device)
         try:
             self._check_input(input, z)
-            return self._synced(input, z, sync, label)
+            return self._synced(input, z, sync)
         except BaseException as error:
             sync.fail(error)
             raise
@@ -315,11 +314,11 @@ class SyncBatchNorm(_BatchNorm):
         self._check_input(input, z)
         return self._batch_stats(traced_sync_batch_norm, input, z, group=group)
 
-    def _synced(self, input: Tensor, z: Tensor | None, sync: Synchronizer, label: str) -> Tensor:
+    def _synced(self, input: Tensor, z: Tensor | None, sync: Synchronizer) -> Tensor:
         """The synchronized call itself, its input checked: natively where the compiled module
         serves, else through the autograd Function."""
         function = native_sync_batch_norm if native_serves() else sync_batch_norm
-        return self._batch_stats(function, input, z, label, sync=sync)
+        return self._batch_stats(function, input, z, sync.layer, sync=sync)
 
     def _batch_stats(self, function: Any, input: Tensor, z: Tensor | None, label: str | None = None, **meeting: Any) -> Tensor:
         """``function`` (:func:`~functions.sync_batch_norm` or

@@ -174,7 +174,7 @@ class InPlaceABN(ABN):
                 f"(size {tuple(input.shape)}, stride {input.stride()}, an expanded tensor?); pass input.contiguous()"
             )
 
-    def _synced(self, input: Tensor, z: Tensor | None, sync: Synchronizer, label: str) -> Tensor:
+    def _synced(self, input: Tensor, z: Tensor | None, sync: Synchronizer) -> Tensor:
         return self._inplace(input, sync, batch_stats=True)
 
     def _inplace(self, input: Tensor, sync: Synchronizer | None, batch_stats: bool) -> Tensor:

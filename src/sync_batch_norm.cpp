@@ -303,25 +303,24 @@ Sums sum_replicas(std::vector<SumsPart>& parts, const Ranks& ranks) {
   return sums;
 }
 
-// `work` on `stream` (and its device) where one is given: the last replica to arrive runs the
-// master's combine on its own thread, but on the master's stream, as the master would.
-template <typename Work>
-auto on_stream(const OptStream& stream, Work work) {
-  std::optional<c10::StreamGuard> guard;
-  if (stream) guard.emplace(*stream);
-  return work();
-}
-
 // A meeting of this replica with the others of its process (none: it is the only one).
+// `stream`: this replica's stream on its device (none on the CPU). The replica that arrives last
+// runs the master's combine on its own thread, so each replica's combine carries its stream: the
+// master's runs on the master's stream, as if the master ran it.
 template <typename Part, typename Result>
-Result meet(const std::shared_ptr<ReplicaRound>& round, const char* direction, int64_t call, int64_t index, Part part,
-            const std::function<std::vector<Result>(std::vector<Part>&)>& combine) {
+Result meet(const std::shared_ptr<ReplicaRound>& round, const char* direction, int64_t call, int64_t index,
+            const OptStream& stream, Part part, const std::function<std::vector<Result>(std::vector<Part>&)>& combine) {
   if (!round) {
     std::vector<Part> parts;
     parts.push_back(std::move(part));
     return std::move(combine(parts)[0]);
   }
-  return round->exchange<Part, Result>(direction, call, index, std::move(part), combine);
+  const std::function<std::vector<Result>(std::vector<Part>&)> on_own_stream = [&](std::vector<Part>& parts) {
+    std::optional<c10::StreamGuard> guard;
+    if (stream) guard.emplace(*stream);
+    return combine(parts);
+  };
+  return round->exchange<Part, Result>(direction, call, index, std::move(part), on_own_stream);
 }
 
 // ---- errors as Python sees them ----
@@ -465,12 +464,13 @@ struct SyncBatchNormBackward : public torch::autograd::Node {
           /*input_grad=*/false, /*residual_grad=*/true, /*sums=*/true);
     }
     // every replica meets, whichever gradients it wants: the others wait for its sums
-    const std::function<std::vector<Sums>(std::vector<SumsPart>&)> combine =
-        [this, stream = current_stream(input.device())](std::vector<SumsPart>& parts) {
-          return on_stream(stream, [&] { return std::vector<Sums>(parts.size(), sum_replicas(parts, *ranks)); });
-        };
-    const auto ready = round ? mark_ready(current_stream(input.device())) : nullptr;
-    const auto totals = meet<SumsPart, Sums>(round, "backward", call, index, SumsPart{sum_dy, sum_dy_xmu, ready}, combine);
+    const std::function<std::vector<Sums>(std::vector<SumsPart>&)> combine = [this](std::vector<SumsPart>& parts) {
+      return std::vector<Sums>(parts.size(), sum_replicas(parts, *ranks));
+    };
+    const auto stream = current_stream(input.device());
+    const auto ready = round ? mark_ready(stream) : nullptr;
+    const auto totals =
+        meet<SumsPart, Sums>(round, "backward", call, index, stream, SumsPart{sum_dy, sum_dy_xmu, ready}, combine);
     torch::autograd::variable_list result(4);
     if (task_should_compute_output(0)) {
       result[0] = ops().backward_elemt.call(dy, input, mean_, invstd_, optional(weight_),
@@ -518,16 +518,15 @@ at::Tensor sync_batch_norm(const std::shared_ptr<ReplicaRound>& round, int64_t i
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       const auto [mean, m2] = ops().local_stats.call(x);
-      const auto ready = round ? mark_ready(current_stream(x.device())) : nullptr;  // the master reads it
+      const auto stream = current_stream(x.device());
+      const auto ready = round ? mark_ready(stream) : nullptr;  // the master reads it
       StatsPart part{mean, m2, ready, x.scalar_type(), x.sizes().vec()};
       const MasterCall master_call{running_mean, running_var, num_batches_tracked, momentum, eps, layer};
       const std::function<std::vector<Normalization>(std::vector<StatsPart>&)> combine =
-          [&master_call, &ranks, stream = current_stream(x.device())](std::vector<StatsPart>& parts) {
-            return on_stream(stream, [&] {
-              return std::vector<Normalization>(parts.size(), merge_replicas(parts, master_call, *ranks));
-            });
+          [&master_call, &ranks](std::vector<StatsPart>& parts) {
+            return std::vector<Normalization>(parts.size(), merge_replicas(parts, master_call, *ranks));
           };
-      normalization = meet<StatsPart, Normalization>(round, "forward", call, index, std::move(part), combine);
+      normalization = meet<StatsPart, Normalization>(round, "forward", call, index, stream, std::move(part), combine);
       normalization.mean = fetch(normalization.mean, x.device(), normalization.ready);
       normalization.invstd = fetch(normalization.invstd, x.device(), normalization.ready);
       y = ops().elemt_forward.call(x, normalization.mean, normalization.invstd, weight, bias, residual, negative_slope);
