@@ -32,6 +32,13 @@ void update_running_stats(const std::optional<at::Tensor>& running_mean, const s
                           const std::optional<at::Tensor>& num_batches_tracked, std::optional<double> momentum,
                           const at::Tensor& mean, const at::Tensor& var, int64_t count);
 
+// (mean, invstd) in `acc` from the float64 mean and M2 of `count` values per channel: var = M2 /
+// count (an empty batch: var 1), invstd = 1 / sqrt(var + eps); also var itself (float64). Where both
+// are host vectors, one loop (invstd correctly rounded, as torch's batch norm computes it) instead
+// of a handful of ATen calls (rsqrt, whose vectorized CPU kernel may be 1 ulp off).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> normalization_stats(const at::Tensor& mean, const at::Tensor& m2,
+                                                                  int64_t count, double eps, at::ScalarType acc);
+
 // A lone replica's training forward in one call: local_stats, update_running_stats and
 // elemt_forward. Returns (y, mean, invstd), mean and invstd in the accumulation dtype.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_train(

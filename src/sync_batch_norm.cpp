@@ -14,6 +14,7 @@
 // dispatcher (a part on a GPU takes the CUDA kernels). Device-generic: what crosses devices is
 // fenced by an event and kept alive for the copying stream (record_stream), as
 // functions/devices.py does.
+#include <ATen/Dispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
@@ -25,9 +26,11 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/extension.h>
 
-#include <type_traits>
+#include <algorithm>
 #include <memory>
+#include <type_traits>
 
+#include "cpu/batch_norm_cpu.h"
 #include "operators.h"
 #include "replica_round.h"
 
@@ -229,6 +232,29 @@ class Ranks {
   PyObject* sync_;
 };
 
+bool is_host_doubles(const at::Tensor& t) {
+  return t.is_cpu() && t.dim() == 1 && t.is_contiguous() && t.scalar_type() == at::kDouble;
+}
+
+// merge_replicas where every part is on the host and no ranks take part: Chan's merge and the
+// normalization as two loops (merge_stats's and normalization_stats's: the same bits), not a dozen
+// ATen calls. The merge is the one serial step of a meeting: every other replica waits through it.
+Normalization merge_on_host(const std::vector<StatsPart>& parts, const std::vector<double>& counts,
+                            const MasterCall& call, int64_t total) {
+  const int64_t R = int64_t(parts.size()), C = parts[0].mean.numel();
+  std::vector<const double*> means(R), m2s(R);
+  for (int64_t r = 0; r < R; ++r) {
+    means[r] = parts[r].mean.const_data_ptr<double>();
+    m2s[r] = parts[r].m2.const_data_ptr<double>();
+  }
+  auto mean = at::empty({C}, parts[0].mean.options()), m2 = at::empty({C}, parts[0].mean.options());
+  cpu::merge_moments(counts.data(), means.data(), m2s.data(), R, C, mean.data_ptr<double>(), m2.data_ptr<double>());
+  const auto acc = parts[0].dtype == at::kDouble ? at::kDouble : at::kFloat;
+  const auto [mean_acc, invstd, var] = normalization_stats(mean, m2, total, call.eps, acc);
+  update_running_stats(call.running_mean, call.running_var, call.num_batches_tracked, call.momentum, mean, var, total);
+  return {mean_acc, invstd, nullptr, total};
+}
+
 // On the master: the replicas' statistics merged (Chan's formula, in replica order) and, with
 // ranks, over every rank; the running statistics updated once; mean and invstd as the
 // elementwise kernels take them.
@@ -247,6 +273,10 @@ Normalization merge_replicas(std::vector<StatsPart>& parts, const MasterCall& ca
     total += count;
   }
   if (!ranks) check_values_per_channel(parts, total, call.layer);  // else the ranks' checks, over all of them
+  const bool on_host = std::all_of(parts.begin(), parts.end(), [](const StatsPart& part) {
+    return is_host_doubles(part.mean) && is_host_doubles(part.m2);
+  });
+  if (on_host && !ranks && total > 0) return merge_on_host(parts, counts, call, total);
   at::Tensor mean, var;
   if (parts.size() == 1 && ranks) {
     std::tie(mean, var) = ranks.merge(total, means[0], m2s[0], parts[0].sizes);
@@ -284,6 +314,36 @@ struct Sums {
   int64_t count;  // with ranks: the count that backward_elemt divides by (-1: the forward's)
 };
 
+bool are_host_vectors_alike(const std::vector<at::Tensor>& ts) {
+  const auto dtype = ts[0].scalar_type();
+  return (dtype == at::kFloat || dtype == at::kDouble) && std::all_of(ts.begin(), ts.end(), [&](const at::Tensor& t) {
+           return t.is_cpu() && t.dim() == 1 && t.is_contiguous() && t.scalar_type() == dtype &&
+                  t.numel() == ts[0].numel();
+         });
+}
+
+// Host vectors summed per channel in replica order, accumulated in double and rounded once: one
+// loop where stacking and summing takes two ATen calls (the merge is a meeting's serial step).
+at::Tensor sum_on_host(const std::vector<at::Tensor>& ts) {
+  auto total = at::empty_like(ts[0]);
+  AT_DISPATCH_FLOATING_TYPES(total.scalar_type(), "syncbn_sum_on_host", [&] {
+    std::vector<const scalar_t*> parts;
+    for (const auto& t : ts) parts.push_back(t.const_data_ptr<scalar_t>());
+    scalar_t* out = total.data_ptr<scalar_t>();
+    for (int64_t c = 0; c < total.numel(); ++c) {
+      double sum = 0;
+      for (const scalar_t* part : parts) sum += double(part[c]);
+      out[c] = scalar_t(sum);
+    }
+  });
+  return total;
+}
+
+// The replicas' per-channel vectors summed in replica order on the first one's device.
+at::Tensor sum_in_replica_order(const std::vector<at::Tensor>& ts) {
+  return are_host_vectors_alike(ts) ? sum_on_host(ts) : at::stack(ts).sum(0);
+}
+
 // On the master: the replicas' sums, summed in replica order, then over the ranks.
 Sums sum_replicas(std::vector<SumsPart>& parts, const Ranks& ranks) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -295,8 +355,8 @@ Sums sum_replicas(std::vector<SumsPart>& parts, const Ranks& ranks) {
   }
   Sums sums{sums_dy[0], sums_dy_xmu[0], nullptr, -1};
   if (parts.size() > 1) {
-    sums.sum_dy = at::stack(sums_dy).sum(0);
-    sums.sum_dy_xmu = at::stack(sums_dy_xmu).sum(0);
+    sums.sum_dy = sum_in_replica_order(sums_dy);
+    sums.sum_dy_xmu = sum_in_replica_order(sums_dy_xmu);
   }
   if (ranks) std::tie(sums.sum_dy, sums.sum_dy_xmu, sums.count) = ranks.sum(sums.sum_dy, sums.sum_dy_xmu);
   if (parts.size() > 1) sums.ready = mark_ready(current_stream(device));

@@ -39,8 +39,8 @@ void update_on_host(const at::Tensor& running_mean, const at::Tensor& running_va
   });
 }
 
-// (mean, invstd) in `acc` from the float64 mean and M2 of `count` values per channel: var = M2 /
-// count (an empty batch: mean 0, var 1), invstd = 1 / sqrt(var + eps); also var itself (float64).
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> normalization_stats(const at::Tensor& mean, const at::Tensor& m2,
                                                                   int64_t count, double eps, at::ScalarType acc) {
   if (!(is_host_vector(mean) && is_host_vector(m2) && mean.scalar_type() == at::kDouble &&
@@ -65,8 +65,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> normalization_stats(const at::Ten
   });
   return {mean_acc, invstd, var};
 }
-
-}  // namespace
 
 void update_running_stats(const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
                           const std::optional<at::Tensor>& num_batches_tracked, std::optional<double> momentum,

@@ -13,6 +13,13 @@ namespace syncbn::cpu {
 
 #include "kernels.inc"
 
+// Chan's merge of R parts' per-channel moments, in part order: the total count's mean and M2
+// (sum of squared deviations) per channel, from each part's count, mean and M2 (part r's C values
+// at means[r], m2s[r]). The one loop behind merge_stats and the native path's merge of host
+// replicas (src/sync_batch_norm.cpp), so that both give the same bits.
+void merge_moments(const double* counts, const double* const* means, const double* const* m2s, int64_t R, int64_t C,
+                   double* mean, double* m2);
+
 // The instruction set the kernels were built for: "AVX512", "AVX2" or "DEFAULT".
 const char* capability();
 

@@ -534,6 +534,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_affine_act(c
   return affine_act_outputs(dx, g, sum_g, sum_g_xmu, x, mean);
 }
 
+void merge_moments(const double* counts, const double* const* means, const double* const* m2s, int64_t R, int64_t C,
+                   double* mean, double* m2) {
+  double total = 0;
+  for (int64_t r = 0; r < R; ++r) total += counts[r];
+  // R-way Chan: M2 = sum_r M2_r + sum_r n_r (m_r - m)^2, deviations from the global mean only
+  for (int64_t c = 0; c < C; ++c) {
+    double weighted = 0;
+    for (int64_t r = 0; r < R; ++r) weighted += counts[r] * means[r][c];
+    const double mu = weighted / total;
+    double sum = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      const double d = means[r][c] - mu;
+      sum += m2s[r][c] + counts[r] * d * d;
+    }
+    mean[c] = mu;
+    m2[c] = sum;
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> merge_stats(const at::Tensor& counts, const at::Tensor& means,
                                                const at::Tensor& m2s) {
   TORCH_CHECK(means.dim() == 2 && m2s.sizes() == means.sizes() && counts.dim() == 1 &&
@@ -544,29 +563,20 @@ std::tuple<at::Tensor, at::Tensor> merge_stats(const at::Tensor& counts, const a
   const auto m = means.to(at::kDouble).contiguous();
   const auto s = m2s.to(at::kDouble).contiguous();
   const int64_t R = m.size(0), C = m.size(1);
-  auto mean = at::zeros({C}, m.options());
-  auto var = at::zeros({C}, m.options());
   const double* pn = n.const_data_ptr<double>();
-  const double* pm = m.const_data_ptr<double>();
-  const double* ps = s.const_data_ptr<double>();
   double total = 0;
   for (int64_t r = 0; r < R; ++r) total += pn[r];
   TORCH_CHECK(total > 0, "syncbn.merge_stats: the total count must be positive");
-  // R-way Chan: M2 = sum_r M2_r + sum_r n_r (m_r - m)^2, deviations from the global mean only
-  double* out_mean = mean.data_ptr<double>();
-  double* out_var = var.data_ptr<double>();
-  for (int64_t c = 0; c < C; ++c) {
-    double weighted = 0;
-    for (int64_t r = 0; r < R; ++r) weighted += pn[r] * pm[r * C + c];
-    const double mu = weighted / total;
-    double m2 = 0;
-    for (int64_t r = 0; r < R; ++r) {
-      const double d = pm[r * C + c] - mu;
-      m2 += ps[r * C + c] + pn[r] * d * d;
-    }
-    out_mean[c] = mu;
-    out_var[c] = m2 / total;
+  std::vector<const double*> part_means(R), part_m2s(R);
+  for (int64_t r = 0; r < R; ++r) {
+    part_means[r] = m.const_data_ptr<double>() + r * C;
+    part_m2s[r] = s.const_data_ptr<double>() + r * C;
   }
+  auto mean = at::empty({C}, m.options());
+  auto var = at::empty({C}, m.options());
+  double* out_var = var.data_ptr<double>();
+  merge_moments(pn, part_means.data(), part_m2s.data(), R, C, mean.data_ptr<double>(), out_var);
+  for (int64_t c = 0; c < C; ++c) out_var[c] /= total;
   return {mean.to(means.scalar_type()), var.to(means.scalar_type())};
 }
 
