@@ -295,11 +295,15 @@ class RoundTracker:
     def __reduce__(self):
         return (RoundTracker, ())
 
-    def join(self, replica: nn.Module, layer: str, timeout: float) -> ReplicaHandle:
+    def join(self, replica: nn.Module, settings: Callable[[], tuple[str, float]]) -> ReplicaHandle:
+        """Add ``replica`` to the current round or to a new one; ``settings()`` gives a new
+        round's layer label and timeout (called only where a round begins: this runs for every
+        replica of every layer at every step)."""
         position = torch_replicate_position()
         with self._lock:
             if self._starts_round(position):
                 self._rounds += 1
+                layer, timeout = settings()
                 self._current = ReplicaRound(layer, self._rounds, timeout)
             return ReplicaHandle(self._current, self._current.add(replica))
 

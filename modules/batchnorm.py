@@ -165,7 +165,8 @@ class SyncBatchNorm(_BatchNorm):
 
     def _negative_slope(self) -> float | None:
         """The fused activation as the kernels take it: None (none), 0.0 (ReLU) or the slope."""
-        return {None: None, "relu": 0.0, "leaky_relu": self.negative_slope}[self.activation]
+        activation = self.activation
+        return None if activation is None else 0.0 if activation == "relu" else self.negative_slope
 
     def _fuses(self, z: Tensor | None) -> bool:
         """Whether this call has a residual or an activation to fuse."""
@@ -224,9 +225,14 @@ class SyncBatchNorm(_BatchNorm):
 
     def _replicate_for_data_parallel(self):
         replica = super()._replicate_for_data_parallel()
-        handle = self._round_tracker.join(replica, self._label(), resolve_timeout(self.timeout))
-        setattr(replica, REPLICA_ATTR, handle)
+        # into __dict__ as Module.__setattr__ would put it, less its checks for a parameter,
+        # buffer or module of that name (there is none): this runs for every replica at every step
+        replica.__dict__[REPLICA_ATTR] = self._round_tracker.join(replica, self._round_settings)
         return replica
+
+    def _round_settings(self) -> tuple[str, float]:
+        """A new replica round's layer label and timeout."""
+        return self._label(), resolve_timeout(self.timeout)
 
     def forward(self, input: Tensor, z: Tensor | None = None) -> Tensor:
         if isinstance(input, torch.fx.Proxy):
@@ -300,7 +306,8 @@ class SyncBatchNorm(_BatchNorm):
         # the device that a failure report to the ranks is made on (none made without ranks)
         weight = self.weight if group is not None else None
         device = weight.device if weight is not None else input.device
-        sync = Synchronizer.for_call(handle, group, self._process_sync, self._label(), self.num_features, device)
+        label = handle.round.layer if handle is not None else self._label()  # the round made it already
+        sync = Synchronizer.for_call(handle, group, self._process_sync, label, self.num_features, device)
         try:
             self._check_input(input, z)
             return self._synced(input, z, sync)
