@@ -135,3 +135,28 @@ def test_shared_layer_called_twice() -> None:
             return self.bn(self.conv(self.bn(x)).relu() * 2 + 1)
 
     train_in_lockstep(Twice, (10, 4, 3, 3), 4)
+
+
+@pytest.mark.skipif(backend.NATIVE_ROUNDS is None, reason="the native meeting needs the compiled module")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_native_merge_of_host_replicas_has_the_merge_operators_bits(dtype: torch.dtype) -> None:
+    # CPU replicas merge in two loops over the channels (src/sync_batch_norm.cpp), not through
+    # the merge_stats operator: the same arithmetic, so with momentum 1 the running statistics
+    # are the operator's mean and unbiased variance, bit for bit (rounded once to the dtype)
+    torch.manual_seed(0)
+    layer = NN.SyncBatchNorm2d(6, momentum=1.0, dtype=dtype)
+    x = torch.randn(10, 6, 3, 2, dtype=dtype) * 3 + 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the local statistics' bits depend on how many threads reduce
+    try:
+        ThreadedDataParallel(layer, ["cpu"] * 3)(x)  # chunks of 4, 4 and 2, a thread each
+        chunks = x.split(4)
+        stats = [torch.ops.syncbn.local_stats(chunk) for chunk in chunks]
+    finally:
+        torch.set_num_threads(threads)
+    counts = torch.tensor([chunk.numel() / 6 for chunk in chunks], dtype=torch.float64)
+    mean, var = torch.ops.syncbn.merge_stats(counts, torch.stack([m for m, _ in stats]), torch.stack([s for _, s in stats]))
+    total = x.numel() // 6
+    assert torch.equal(layer.running_mean, mean.to(dtype))
+    assert torch.equal(layer.running_var, (var * (total / (total - 1))).to(dtype))
+    assert layer.num_batches_tracked.item() == 1
