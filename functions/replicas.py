@@ -302,8 +302,8 @@ class RoundTracker:
         position = torch_replicate_position()
         with self._lock:
             if self._starts_round(position):
+                layer, timeout = settings()  # may raise (a bad timeout): no round number taken
                 self._rounds += 1
-                layer, timeout = settings()
                 self._current = ReplicaRound(layer, self._rounds, timeout)
             return ReplicaHandle(self._current, self._current.add(replica))
 

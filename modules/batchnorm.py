@@ -166,7 +166,13 @@ class SyncBatchNorm(_BatchNorm):
     def _negative_slope(self) -> float | None:
         """The fused activation as the kernels take it: None (none), 0.0 (ReLU) or the slope."""
         activation = self.activation
-        return None if activation is None else 0.0 if activation == "relu" else self.negative_slope
+        if activation is None:
+            return None
+        if activation == "relu":
+            return 0.0
+        if activation == "leaky_relu":
+            return self.negative_slope
+        raise ValueError(f"{self._label()}: activation must be one of {ACTIVATIONS}, got {activation!r}")
 
     def _fuses(self, z: Tensor | None) -> bool:
         """Whether this call has a residual or an activation to fuse."""
@@ -176,11 +182,10 @@ class SyncBatchNorm(_BatchNorm):
         """act(y + z) through autograd, unfused: where torch's own batch norm serves."""
         if z is not None:
             y = y + z
-        if self.activation == "relu":
-            return F.relu(y)
-        if self.activation == "leaky_relu":
-            return F.leaky_relu(y, self._negative_slope())
-        return y
+        slope = self._negative_slope()  # raises for an activation set to what it does not know
+        if slope is None:
+            return y
+        return F.relu(y) if self.activation == "relu" else F.leaky_relu(y, slope)
 
     def _check_input_dim(self, input: Tensor) -> None:
         ranks = self._expected_ranks

@@ -322,8 +322,9 @@ bool are_host_vectors_alike(const std::vector<at::Tensor>& ts) {
          });
 }
 
-// Host vectors summed per channel in replica order, accumulated in double and rounded once: one
-// loop where stacking and summing takes two ATen calls (the merge is a meeting's serial step).
+// Host vectors summed per channel in replica order, in their dtype (as the Python exchange's
+// stack-and-sum adds a few replicas): one loop where stacking and summing takes two ATen calls
+// (the merge is a meeting's serial step).
 at::Tensor sum_on_host(const std::vector<at::Tensor>& ts) {
   auto total = at::empty_like(ts[0]);
   AT_DISPATCH_FLOATING_TYPES(total.scalar_type(), "syncbn_sum_on_host", [&] {
@@ -331,9 +332,9 @@ at::Tensor sum_on_host(const std::vector<at::Tensor>& ts) {
     for (const auto& t : ts) parts.push_back(t.const_data_ptr<scalar_t>());
     scalar_t* out = total.data_ptr<scalar_t>();
     for (int64_t c = 0; c < total.numel(); ++c) {
-      double sum = 0;
-      for (const scalar_t* part : parts) sum += double(part[c]);
-      out[c] = scalar_t(sum);
+      scalar_t sum = 0;
+      for (const scalar_t* part : parts) sum += part[c];
+      out[c] = sum;
     }
   });
   return total;

@@ -210,6 +210,13 @@ def test_bad_arguments_and_inputs_raise_clearly() -> None:
                 layer(x, z)
     with pytest.raises(TypeError, match="residual z must be a Tensor"):
         layer(x, 1.0)
+    # an activation set after construction to one the layer does not know: on every path
+    layer.activation = "gelu"
+    for frozen, training in [(False, True), (True, True), (False, False)]:
+        layer.frozen = frozen
+        layer.train(training)
+        with pytest.raises(ValueError, match=r"SyncBatchNorm2d\(4\): activation must be one of .* got 'gelu'"):
+            layer(x)
 
 
 def test_backend_serves_frozen_and_fused_through_our_kernels_where_they_serve() -> None:
