@@ -34,8 +34,9 @@ void update_running_stats(const std::optional<at::Tensor>& running_mean, const s
 
 // (mean, invstd) in `acc` from the float64 mean and M2 of `count` values per channel: var = M2 /
 // count (an empty batch: var 1), invstd = 1 / sqrt(var + eps); also var itself (float64). Where both
-// are host vectors, one loop (invstd correctly rounded, as torch's batch norm computes it) instead
-// of a handful of ATen calls (rsqrt, whose vectorized CPU kernel may be 1 ulp off).
+// are host vectors, one loop (invstd correctly rounded) instead of a handful of ATen
+// calls (rsqrt, whose vectorized CPU kernel may be 1 ulp off; torch's own eval kernel on the CPU
+// gives rsqrt's bits, which is why the frozen and eval paths keep rsqrt).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> normalization_stats(const at::Tensor& mean, const at::Tensor& m2,
                                                                   int64_t count, double eps, at::ScalarType acc);
 
