@@ -11,6 +11,13 @@
 
 namespace syncbn {
 
+// The dtype that statistics and per-channel coefficients are computed in: float64 for float64
+// inputs, float32 for the others (half inputs included).
+inline at::ScalarType accumulation_type(at::ScalarType dtype) { return dtype == at::kDouble ? at::kDouble : at::kFloat; }
+
+// A contiguous (C,) tensor on the host, whose values the composite operators read in a loop.
+inline bool is_host_vector(const at::Tensor& t) { return t.is_cpu() && t.dim() == 1 && t.is_contiguous(); }
+
 // backward_affine_act's (dx, g, sum_g, sum_g_xmu): what was not asked for is an empty tensor
 // (an operator returns tensors, never None), with x's options for dx and g, mean's for the sums.
 using AffineActGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;

@@ -232,15 +232,11 @@ class Ranks {
   PyObject* sync_;
 };
 
-bool is_host_doubles(const at::Tensor& t) {
-  return t.is_cpu() && t.dim() == 1 && t.is_contiguous() && t.scalar_type() == at::kDouble;
-}
-
 // merge_replicas where every part is on the host and no ranks take part: Chan's merge and the
 // normalization as two loops (merge_stats's and normalization_stats's: the same bits), not a dozen
 // ATen calls. The merge is the one serial step of a meeting: every other replica waits through it.
 Normalization merge_on_host(const std::vector<StatsPart>& parts, const std::vector<double>& counts,
-                            const MasterCall& call, int64_t total) {
+                            const MasterCall& call, int64_t total, at::ScalarType acc) {
   const int64_t R = int64_t(parts.size()), C = parts[0].mean.numel();
   std::vector<const double*> means(R), m2s(R);
   for (int64_t r = 0; r < R; ++r) {
@@ -249,7 +245,6 @@ Normalization merge_on_host(const std::vector<StatsPart>& parts, const std::vect
   }
   auto mean = at::empty({C}, parts[0].mean.options()), m2 = at::empty({C}, parts[0].mean.options());
   cpu::merge_moments(counts.data(), means.data(), m2s.data(), R, C, mean.data_ptr<double>(), m2.data_ptr<double>());
-  const auto acc = parts[0].dtype == at::kDouble ? at::kDouble : at::kFloat;
   const auto [mean_acc, invstd, var] = normalization_stats(mean, m2, total, call.eps, acc);
   update_running_stats(call.running_mean, call.running_var, call.num_batches_tracked, call.momentum, mean, var, total);
   return {mean_acc, invstd, nullptr, total};
@@ -273,10 +268,12 @@ Normalization merge_replicas(std::vector<StatsPart>& parts, const MasterCall& ca
     total += count;
   }
   if (!ranks) check_values_per_channel(parts, total, call.layer);  // else the ranks' checks, over all of them
+  const auto acc = accumulation_type(parts[0].dtype);
   const bool on_host = std::all_of(parts.begin(), parts.end(), [](const StatsPart& part) {
-    return is_host_doubles(part.mean) && is_host_doubles(part.m2);
+    return is_host_vector(part.mean) && is_host_vector(part.m2) && part.mean.scalar_type() == at::kDouble &&
+           part.m2.scalar_type() == at::kDouble;
   });
-  if (on_host && !ranks && total > 0) return merge_on_host(parts, counts, call, total);
+  if (on_host && !ranks && total > 0) return merge_on_host(parts, counts, call, total, acc);
   at::Tensor mean, var;
   if (parts.size() == 1 && ranks) {
     std::tie(mean, var) = ranks.merge(total, means[0], m2s[0], parts[0].sizes);
@@ -296,7 +293,6 @@ Normalization merge_replicas(std::vector<StatsPart>& parts, const MasterCall& ca
                            total);
     }
   }
-  const auto acc = parts[0].dtype == at::kDouble ? at::kDouble : at::kFloat;
   // other replicas read these on their streams; the only one reads them on its own
   const auto ready = parts.size() > 1 ? mark_ready(current_stream(device)) : nullptr;
   return {mean.to(acc), (var + call.eps).rsqrt().to(acc), ready, total};
@@ -317,8 +313,7 @@ struct Sums {
 bool are_host_vectors_alike(const std::vector<at::Tensor>& ts) {
   const auto dtype = ts[0].scalar_type();
   return (dtype == at::kFloat || dtype == at::kDouble) && std::all_of(ts.begin(), ts.end(), [&](const at::Tensor& t) {
-           return t.is_cpu() && t.dim() == 1 && t.is_contiguous() && t.scalar_type() == dtype &&
-                  t.numel() == ts[0].numel();
+           return is_host_vector(t) && t.scalar_type() == dtype && t.numel() == ts[0].numel();
          });
 }
 

@@ -18,8 +18,6 @@ void blend_into(const at::Tensor& running, const at::Tensor& batch, const Factor
   running.copy_(batch * factor + running * (1 - factor));
 }
 
-bool is_host_vector(const at::Tensor& t) { return t.is_cpu() && t.dim() == 1 && t.is_contiguous(); }
-
 // update_running_stats on host tensors: running = batch * factor + running * (1 - factor) per
 // channel in double, rounded once to the running statistics' dtype.
 void update_on_host(const at::Tensor& running_mean, const at::Tensor& running_var, double factor,
@@ -110,7 +108,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_train(
   const int64_t channels = input.size(1);
   const int64_t count = channels == 0 ? 0 : input.numel() / channels;
   const auto [mean, m2] = local_stats.call(input);
-  const auto acc = input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto acc = accumulation_type(input.scalar_type());
   const auto [mean_acc, invstd, var] = normalization_stats(mean, m2, count, eps, acc);
   update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, count);
   return {elemt_forward.call(input, mean_acc, invstd, weight, bias, residual, negative_slope), mean_acc, invstd};

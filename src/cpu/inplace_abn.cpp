@@ -262,8 +262,6 @@ std::vector<AbnSums> abn_sums(const Layout& l, const scalar_t* y, const scalar_t
   return out;
 }
 
-at::ScalarType accumulation_type(at::ScalarType dtype) { return dtype == at::kDouble ? at::kDouble : at::kFloat; }
-
 void check_grad_output(const at::Tensor& grad_output, const at::Tensor& y, const char* op) {
   TORCH_CHECK(grad_output.scalar_type() == y.scalar_type(), "syncbn.", op, ": grad_output is ",
               grad_output.scalar_type(), " but y is ", y.scalar_type());

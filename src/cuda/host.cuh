@@ -24,6 +24,7 @@
 #include <utility>
 
 #include "layout.h"
+#include "operators.h"  // accumulation_type
 
 namespace syncbn::cuda {
 
@@ -50,8 +51,6 @@ inline at::Tensor per_channel(const at::Tensor& v, const at::Tensor& x, int64_t 
               x.device());
   return v.reshape({C}).to(acc).contiguous();
 }
-
-inline at::ScalarType accumulation_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 // Values per 16-byte pack.
 template <typename scalar_t>
