@@ -2,15 +2,16 @@
 the two collectives of one synchronized call.
 
 Forward: ONE all_gather of a float64 row per rank,
-    [layer id, call number, failed flag, dtype code, ndim, shape (8 dims, 0-padded), count,
+    [layer id, call number, dtype code, failed flag, ndim, shape (8 dims, 0-padded), count,
      mean (C), M2 (C)],
 so that every rank holds every rank's (count, mean, M2) and merges them in rank order (the same
 arithmetic on every rank: identical statistics, identical running stats). The header lets every
 rank check, on the same gathered data and so with the same verdict, that all ranks are at the
 same call of the same layer, with inputs of one dtype, and that none failed before the exchange.
-The merge, the global count and the checks' verdicts are computed on the collective's device;
-nothing is read on the host per layer but where :mod:`functions.checks` says (at once for CPU
-tensors or ``SYNCBN_CHECKS=layer``, deferred on CUDA by default).
+The verdict, the merge, the global count and the running statistics' update are one operator
+on the collective's device (``merge_gathered_stats``: where the verdict fails, nothing is
+updated); nothing is read on the host per layer but where :mod:`functions.checks` says (at once
+for CPU tensors or ``SYNCBN_CHECKS=layer``, deferred on CUDA by default).
 
 Backward: ONE all_reduce (sum) of the float64 row [sum_dy (C), sum_dy_xmu (C), id, id^2, n, n^2]
 (layer id and call number n). All ranks agree iff count * sum(v^2) == sum(v)^2 for each of the
@@ -32,12 +33,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import checks, devices, stats
+from . import checks, devices
+from .ops import OVERLOADS
 from .reference import in_dtype
-from .stats import LocalStats
+from .stats import LocalStats, Running
 
 SHAPE_DIMS = 8  # input dims carried for error messages; further dims are dropped
-HEADER_SIZE = 5 + SHAPE_DIMS + 1
+LAYER, NUMBER, DTYPE, FAILED, NDIM, SHAPE = range(6)  # the header's columns: the first three agree
+HEADER_SIZE = SHAPE + SHAPE_DIMS + 1  # and the count
 LAYER_ID_RANGE = 2**20  # ids and call numbers below 2**20: their squares sum exactly in float64
 _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 
@@ -97,8 +100,8 @@ def _stats_row(local: LocalStats, call: ProcessGroupCall, failed: bool) -> Tenso
     header = [
         call.layer_id,
         call.number % LAYER_ID_RANGE,
-        float(failed),
         _DTYPES.index(local.input_dtype) if local.input_dtype in _DTYPES else -1,
+        float(failed),
         len(local.input_shape),
         *shape,
         *([0] * (SHAPE_DIMS - len(shape))),
@@ -123,42 +126,28 @@ def _all_gather_rows(row: Tensor, group: Any) -> Tensor:
     return torch.stack(parts)
 
 
-def _failed_on_device(heads: Tensor, total: Tensor) -> Tensor:
-    """On the device, from the gathered headers ``(world, HEADER_SIZE)`` and their total count:
-    whether a check fails (what :func:`_explain_forward` explains, in tensor ops), so that a
-    deferred failure updates nothing."""
-    return torch.stack(
-        [
-            (heads[:, 2] != 0).any(),
-            (heads[:, :2] != heads[:1, :2]).any(),
-            (heads[:, 3] != heads[:1, 3]).any(),
-            total == 1,
-        ]
-    ).any()
-
-
 def _explain_forward(call: ProcessGroupCall, heads: list[list[float]]) -> BaseException | None:
     """The error that the gathered headers (read on the host) stand for (the same on every rank:
-    they all hold the same rows), or None."""
+    they all hold the same rows), or None: what ``merge_gathered_stats`` judges on the device."""
     heads = [[int(v) for v in head] for head in heads]
-    if any(head[2] for head in heads):
-        ranks = [rank for rank, head in enumerate(heads) if head[2]]
+    if any(head[FAILED] for head in heads):
+        ranks = [rank for rank, head in enumerate(heads) if head[FAILED]]
         return RuntimeError(
             f"{call.layer}: rank(s) {ranks} of the process group failed before this exchange "
             "(their own error says why)"
         )
-    if any(head[:2] != heads[0][:2] for head in heads):
-        ids = [(head[0], head[1]) for head in heads]
+    if any(head[:DTYPE] != heads[0][:DTYPE] for head in heads):
+        ids = [(head[LAYER], head[NUMBER]) for head in heads]
         return RuntimeError(
             f"{call.layer}: ranks are at different synchronized calls (layer id, call number per "
             f"rank: {ids}); this rank is at call {call.number} of {call.layer}. Every rank must "
             "call each synchronized layer the same number of times, in the same order."
         )
-    if any(head[3] != heads[0][3] for head in heads):
-        names = [str(_DTYPES[h[3]]) if 0 <= h[3] < len(_DTYPES) else "?" for h in heads]
+    if any(head[DTYPE] != heads[0][DTYPE] for head in heads):
+        names = [str(_DTYPES[h[DTYPE]]) if 0 <= h[DTYPE] < len(_DTYPES) else "?" for h in heads]
         return RuntimeError(f"{call.layer}: ranks disagree on the input dtype: {names} (per rank)")
     if _total_count(heads) == 1:
-        shapes = ", ".join(str(tuple(head[5 : 5 + min(head[4], SHAPE_DIMS)])) for head in heads)
+        shapes = ", ".join(str(tuple(head[SHAPE : SHAPE + min(head[NDIM], SHAPE_DIMS)])) for head in heads)
         return ValueError(
             f"{call.layer}: Expected more than 1 value per channel when training, got input size "
             f"{shapes} over {len(heads)} ranks"
@@ -170,34 +159,24 @@ def _total_count(heads: list[list[float]]) -> int:
     return int(sum(head[HEADER_SIZE - 1] for head in heads))
 
 
-def all_gather_stats(local: LocalStats, call: ProcessGroupCall) -> tuple[int | Tensor, int | Tensor, Tensor, Tensor]:
-    """The global count, the count to update the running statistics with, and the mean and
-    biased variance over every rank, from one all_gather of each rank's (count, mean, M2), merged
-    in rank order on every rank (identical results).
+def all_gather_stats(local: LocalStats, call: ProcessGroupCall, running: Running) -> tuple[int | Tensor, Tensor, Tensor]:
+    """The global count, mean and biased variance over every rank, from one all_gather of each
+    rank's (count, mean, M2), merged in rank order on every rank (identical results), and the
+    layer's ``running`` statistics updated with them (where the checks pass).
 
     ``local.mean`` and ``local.m2`` are ``(C,)`` float64 on the collective's device (the current
-    CUDA device for NCCL, the CPU for Gloo); so are the mean and variance returned. The counts
-    are ints where the checks are read at once (:mod:`functions.checks`), else 0-dim float64
-    tensors on that device, never read on the host; then the second is NaN where the checks
-    failed, so that a failed exchange updates nothing
-    (:func:`functions.reference.update_running_stats`), while the first stays the total, for the
-    backward. The checks raise alike on every rank when the ranks are at different calls,
-    disagree on the dtype, one reported a failure, or they hold one value per channel between
-    them.
+    CUDA device for NCCL, the CPU for Gloo); so are the mean and variance returned. The count is
+    an int where the checks are read at once (:mod:`functions.checks`), else a 0-dim float64
+    tensor on that device, never read on the host. The checks raise alike on every rank when the
+    ranks are at different calls, disagree on the dtype, one reported a failure, or they hold one
+    value per channel between them: at once before anything is updated, or deferred, where the
+    failed exchange updated nothing (``merge_gathered_stats``).
     """
     rows = _all_gather_rows(_stats_row(local, call, failed=False), call.group)
-    channels = local.mean.numel()
-    heads, means, m2s = rows.split([HEADER_SIZE, channels, channels], dim=1)
-    counts = heads[:, -1]
     # the headers are the verdict: read at once, they are checked before anything is merged
-    read = checks.verify(heads, lambda values: _explain_forward(call, values))
-    if read is not None:
-        total = _total_count(read)
-        mean, var = stats.merge_rows(total, counts, means, m2s)
-        return total, total, mean, var
-    total_on_device, mean, var = stats.merge_on_device(counts, means, m2s)
-    failed = _failed_on_device(heads, total_on_device)
-    return total_on_device, torch.where(failed, torch.nan, total_on_device), mean, var
+    read = checks.verify(rows[:, :HEADER_SIZE], lambda values: _explain_forward(call, values))
+    total, mean, var, _ = OVERLOADS.merge_gathered_stats(rows, HEADER_SIZE, DTYPE + 1, FAILED, *running)
+    return (total if read is None else _total_count(read)), mean, var
 
 
 def report_failure(call: ProcessGroupCall, channels: int, device: torch.device) -> None:

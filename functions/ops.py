@@ -52,6 +52,12 @@ SCHEMAS = {
         "(Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor(c!)? num_batches_tracked, float? momentum, "
         "Tensor mean, Tensor var, SymInt count) -> ()"
     ),
+    # rows of an all_gather over ranks (functions/distributed.py): header (its last value the
+    # count), mean (C), M2 (C) per rank; judged, merged in row order, running statistics updated
+    "merge_gathered_stats": (
+        "(Tensor rows, int header, int agreeing, int? flag, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
+        "Tensor(c!)? num_batches_tracked, float? momentum) -> (Tensor total, Tensor mean, Tensor var, Tensor valid)"
+    ),
     "batch_norm_train": (
         "(Tensor x, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
         "Tensor(c!)? num_batches_tracked, float? momentum, float eps, Tensor? residual=None, "
@@ -136,6 +142,15 @@ def _backward_affine_act_fake(
 @torch.library.register_fake(f"{NAMESPACE}::update_running_stats")
 def _update_running_stats_fake(running_mean, running_var, num_batches_tracked, momentum, mean, var, count) -> None:
     return None
+
+
+@torch.library.register_fake(f"{NAMESPACE}::merge_gathered_stats")
+def _merge_gathered_stats_fake(
+    rows, header, agreeing, flag, running_mean, running_var, num_batches_tracked, momentum
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    channels = (rows.size(1) - header) // 2
+    scalar = rows.new_empty((), dtype=STATS_DTYPE)
+    return scalar, rows.new_empty(channels, dtype=STATS_DTYPE), rows.new_empty(channels, dtype=STATS_DTYPE), rows.new_empty((), dtype=torch.bool)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::batch_norm_train")
@@ -269,7 +284,8 @@ def _batch_norm_train_rule(info, in_dims, *args, **kwargs):
 
 
 def register_vmap_rules() -> None:
-    """A vmap rule for every operator (``update_running_stats`` only runs inside the others)."""
+    """A vmap rule for every operator (``update_running_stats`` only runs inside the others;
+    ``merge_gathered_stats`` only on the rows of a collective, which vmap does not cross)."""
     for name in _VMAP_KINDS:
         torch.library.register_vmap(f"{NAMESPACE}::{name}", _folding_rule(name))
     torch.library.register_vmap(f"{NAMESPACE}::batch_norm_train", _batch_norm_train_rule)

@@ -275,6 +275,43 @@ def update_running_stats(
     running_var.copy_(new_var)
 
 
+def merge_gathered_stats(
+    rows: Tensor,
+    header: int,
+    agreeing: int,
+    flag: int | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    num_batches_tracked: Tensor | None,
+    momentum: float | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The rows of one all_gather judged and merged in row order, and the running statistics
+    updated where they pass, with no host read: what every rank computes alike.
+
+    ``rows`` is ``(R, header + 2C)`` float64: per rank, ``header`` values (the last is its
+    count), then its mean ``(C,)`` and M2 ``(C,)``. They are *valid* when the first
+    ``agreeing`` columns are equal on every row, column ``flag`` (when given) is 0 on every
+    row, and the total count is not 1. Returns the total count (0-dim float64), the mean and
+    biased variance ``(C,)`` (Chan's formula, :func:`merge_stats`; all empty: mean 0 and
+    variance 1) and ``valid`` (0-dim bool). Where valid only, the running statistics and
+    ``num_batches_tracked`` update as :func:`update_running_stats` with the total as count.
+    """
+    channels = (rows.size(1) - header) // 2
+    heads, means, m2s = rows.split([header, channels, channels], dim=1)
+    counts = heads[:, header - 1]
+    total = counts.sum()
+    empty = total == 0
+    # all empty: any positive weights give mean 0 and M2 0 (the parts' are 0), then var := 1
+    mean, var = merge_stats(torch.where(empty, 1.0, counts), means, m2s)
+    var = torch.where(empty, 1.0, var)
+    valid = (heads[:, :agreeing] == heads[:1, :agreeing]).all() & (total != 1)
+    if flag is not None:
+        valid = valid & (heads[:, flag] == 0).all()
+    counted = torch.where(valid, total, torch.nan)  # NaN: update_running_stats leaves everything
+    update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, counted)
+    return total, mean, var, valid
+
+
 def batch_norm_train(
     x: Tensor,
     weight: Tensor | None,

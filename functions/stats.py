@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from . import devices, reference
+from . import devices
 from .ops import OVERLOADS
 
 
@@ -66,16 +66,6 @@ def merge_rows(total: int, counts: Tensor, means: Tensor, m2s: Tensor) -> tuple[
     return OVERLOADS.merge_stats(counts, means, m2s)
 
 
-def merge_on_device(counts: Tensor, means: Tensor, m2s: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`merge_rows` with the total not known on the host: the total count (0-dim), mean and
-    biased variance, with no host read."""
-    total = counts.sum()
-    empty = total == 0
-    # all empty: any positive weights give mean 0 and M2 0 (the parts' are 0), then var := 1
-    mean, var = OVERLOADS.merge_stats(torch.where(empty, 1.0, counts), means, m2s)
-    return total, mean, torch.where(empty, 1.0, var)
-
-
 def merge_into_one(parts: list[LocalStats]) -> LocalStats:
     """The parts as one contribution (what a process sends to the other ranks)."""
     if len(parts) == 1:
@@ -90,9 +80,7 @@ Running = tuple[Tensor | None, Tensor | None, Tensor | None, float | None]
 """A layer's (running_mean, running_var, num_batches_tracked, momentum)."""
 
 
-def update_running_stats(running: Running, mean: Tensor, var: Tensor, count: int | Tensor) -> None:
-    """The running statistics' update, once per step on the master: the operator with a host
-    count; the reference's device ops with a count still on the device (deferred checks: no
-    host read, and a failed exchange's NaN count updates nothing)."""
-    update = reference.update_running_stats if isinstance(count, Tensor) else OVERLOADS.update_running_stats
-    update(*running, mean, var, count)
+def update_running_stats(running: Running, mean: Tensor, var: Tensor, count: int) -> None:
+    """The running statistics' update, once per step on the master (the operator; across ranks
+    it is part of ``merge_gathered_stats``: :func:`functions.distributed.all_gather_stats`)."""
+    OVERLOADS.update_running_stats(*running, mean, var, count)

@@ -36,7 +36,7 @@ from . import backend, checks, devices, reference  # noqa: F401  (backend: regis
 from .ops import OVERLOADS
 from .reference import in_dtype, memory_format_of, values_per_channel
 from .replicas import ReplicaSyncError
-from .stats import LocalStats, Running, check_values_per_channel, update_running_stats
+from .stats import LocalStats, Running, check_values_per_channel
 from .synchronization import Synchronizer
 
 
@@ -192,8 +192,7 @@ def normalization_every_replica(
             mean, m2 = OVERLOADS.local_stats(part.x)
             ready = None if part.stream is None else devices.mark_ready(m2)
         local.append(LocalStats(values_per_channel(part.x), mean, m2, part.x.dtype, part.x.shape, ready))
-    count, mean, var = sync.merge_stats(local)
-    update_running_stats(running, mean, var, count)
+    mean, var = sync.merge_stats(local, running)
     mean_acc, invstd = reference.normalization(mean, var, eps, reference.accumulation_dtype(parts[0].x.dtype))
     # another replica's thread reads them on its stream (none: the only replica, on this thread)
     ready = None if parts[0].stream is None else devices.mark_ready(invstd)

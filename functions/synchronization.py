@@ -121,23 +121,23 @@ class Synchronizer:
         call = self.replica_call
         return call.exchange(direction, part, work)[call.index]
 
-    def merge_stats(self, parts: list[LocalStats]) -> tuple[int | Tensor, Tensor, Tensor]:
+    def merge_stats(self, parts: list[LocalStats], running: Running) -> tuple[Tensor, Tensor]:
         """On the master: the replicas' parts (and, with a process group, every rank's) merged,
-        on the first part's device, as (the count to update the running statistics with, mean,
-        biased variance), float64; :attr:`count` is the total, for the backward. Raises when they
-        disagree on channels or dtype, or hold one value per channel between them, before
-        anything is updated; the ranks raise alike (where their checks are read at once:
-        :mod:`functions.checks`). The counts are ints, or 0-dim float64 tensors on the device
-        where they come from a collective whose checks are deferred
-        (:func:`functions.distributed.all_gather_stats`: then the update's is NaN where a check
-        failed)."""
+        on the first part's device, as (mean, biased variance), float64, and the layer's
+        ``running`` statistics updated once; :attr:`count` is the total, for the backward.
+        Raises when they disagree on channels or dtype, or hold one value per channel between
+        them, before anything is updated; the ranks raise alike (where their checks are read at
+        once: :mod:`functions.checks`; deferred, a failed exchange updates nothing). The count is
+        an int, or a 0-dim float64 tensor on the device where it comes from a collective whose
+        checks are deferred (:func:`functions.distributed.all_gather_stats`)."""
         stats.check_parts_agree(parts, self.layer)
         parts = _on_one_device(parts)
         if self.process_call is not None:
-            return self._gather_over_ranks(stats.merge_into_one(parts))
+            return self._gather_over_ranks(stats.merge_into_one(parts), running)
         stats.check_values_per_channel(sum(part.count for part in parts), self.layer, [p.input_shape for p in parts])
         self.count, mean, var = stats.merge(parts)
-        return self.count, mean, var
+        update_running_stats(running, mean, var, self.count)
+        return mean, var
 
     def sum_over_ranks(self, sum_dy: Tensor, sum_dy_xmu: Tensor) -> tuple[Tensor, Tensor]:
         """On the master: the replicas' summed (sum_dy, sum_dy_xmu), summed over the ranks too
@@ -152,9 +152,7 @@ class Synchronizer:
         and biased variance over every rank, the running statistics updated (``running``, set
         by :func:`functions.sync_batchnorm.native_sync_batch_norm`); the total count stays
         here, for :meth:`sum_with_ranks`."""
-        counted, mean, var = self._gather_over_ranks(LocalStats(count, mean, m2, self.input_dtype, torch.Size(sizes)))
-        update_running_stats(self.running, mean, var, counted)
-        return mean, var
+        return self._gather_over_ranks(LocalStats(count, mean, m2, self.input_dtype, torch.Size(sizes)), self.running)
 
     def sum_with_ranks(self, sum_dy: Tensor, sum_dy_xmu: Tensor) -> tuple[Tensor, Tensor, int]:
         """On the master (the native path's backward, and the Python path's): the process's sums
@@ -166,16 +164,16 @@ class Synchronizer:
             return reference.sums_per_value(total_dy, total_dy_xmu, self.count)
         return total_dy, total_dy_xmu, self.count
 
-    def _gather_over_ranks(self, local: LocalStats) -> tuple[int | Tensor, Tensor, Tensor]:
-        """This process's part merged with every rank's (one all_gather): the count to update
-        the running statistics with, mean, variance; :attr:`count` the total."""
+    def _gather_over_ranks(self, local: LocalStats, running: Running) -> tuple[Tensor, Tensor]:
+        """This process's part merged with every rank's (one all_gather) and ``running`` updated:
+        mean, variance; :attr:`count` the total."""
         assert self.process_call is not None
         # a deferred failure found here raises before this rank joins the collective, so that
         # fail() joins it with a failed flag: the ranks' collectives stay paired
         checks.poll()
         self._joined_collective = True
-        self.count, counted, mean, var = all_gather_stats(local, self.process_call)
-        return counted, mean, var
+        self.count, mean, var = all_gather_stats(local, self.process_call, running)
+        return mean, var
 
     def fail(self, error: BaseException) -> None:
         """This replica failed during the call: release the other replicas of its round, and,

@@ -4,10 +4,10 @@ through PyTorch's functional collectives (``torch.distributed._functional_collec
 graph break. The math is the eager path's (:mod:`functions.sync_batchnorm`):
 
 Forward: each rank's row ``[layer key, C, dtype code, count, mean (C), M2 (C)]`` (float64) goes
-through ONE all_gather; every rank merges the rows in rank order with Chan's formula on the
-device (:func:`functions.stats.merge_on_device`: the total count never leaves the device), updates
-the running statistics with device ops (:func:`functions.reference.update_running_stats` with a
-device count), and normalizes its own input (``elemt_forward``, with the fused residual and
+through ONE all_gather; every rank judges the headers, merges the rows in rank order with Chan's
+formula and updates the running statistics on the device, in one operator
+(``merge_gathered_stats``: the total count never leaves the device; rows that fail the checks
+update nothing), and normalizes its own input (``elemt_forward``, with the fused residual and
 activation). Backward: ``[sum_dy, sum_dy_xmu]`` through ONE all_reduce, divided by the device
 count, then ``backward_elemt``; the weight and bias gradients are the rank's own sums (DDP
 averages them).
@@ -32,10 +32,10 @@ from torch.autograd.function import Function
 from . import reference
 from .ops import OVERLOADS
 from .reference import STATS_DTYPE, accumulation_dtype, in_dtype, memory_format_of, values_per_channel
-from .stats import merge_on_device
+from .stats import Running
 
 HEADER = 3
-"""Leading values of a rank's row: layer key, channels, dtype code."""
+"""Leading values of a rank's row, which every rank must agree on: layer key, channels, dtype code."""
 _DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
 
 
@@ -65,17 +65,17 @@ def _rank_row(x: Tensor, layer: str) -> Tensor:
     return torch.cat([header, mean, m2])
 
 
-def _gathered_stats(x: Tensor, group, layer: str) -> tuple[Tensor, Tensor, Tensor]:
-    """Every rank's row through one all_gather, checked on the device and merged: (total count
-    (0-dim), mean, biased variance), float64."""
+def _gathered_stats(x: Tensor, group, layer: str, running: Running) -> tuple[Tensor, Tensor, Tensor]:
+    """Every rank's row through one all_gather, checked on the device and merged, and the
+    ``running`` statistics (running_mean, running_var, num_batches_tracked, momentum) updated
+    where the checks pass: (total count (0-dim), mean, biased variance), float64."""
     row = _rank_row(x, layer)
     world = dist.get_world_size(group)
     rows = _funcol().all_gather_tensor(row, 0, group).view(world, row.numel())
-    channels = x.size(1)
-    total, mean, var = merge_on_device(rows[:, HEADER], rows[:, HEADER + 1 : HEADER + 1 + channels], rows[:, HEADER + 1 + channels :])
-    agree = (rows[:, :HEADER] == row[:HEADER]).all()
+    with torch.no_grad():
+        total, mean, var, valid = OVERLOADS.merge_gathered_stats(rows, HEADER + 1, HEADER, None, *running)
     torch._assert_async(
-        agree & (total != 1),
+        valid,
         f"{layer}: the ranks disagree on the layer, its channels or its dtype, or the whole batch holds "
         "one value per channel (checked on the device under torch.compile)",
     )
@@ -133,9 +133,8 @@ def traced_sync_batch_norm(
     """:func:`functions.sync_batch_norm` over the ranks of ``group`` (no replicas in the
     process), in ops that torch.compile traces, collectives included. Same arguments and results."""
     x = input.contiguous(memory_format=memory_format_of(input))
-    total, mean, var = _gathered_stats(x.detach(), group, layer)  # the Function's backward covers them
-    with torch.no_grad():
-        reference.update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, total)
+    running = (running_mean, running_var, num_batches_tracked, momentum)
+    total, mean, var = _gathered_stats(x.detach(), group, layer, running)  # the Function's backward covers them
     mean_acc, invstd = reference.normalization(mean, var, eps, accumulation_dtype(x.dtype))
     return TracedSyncFunction.apply(x, weight, bias, residual, mean_acc, invstd, total, group, negative_slope)
 
@@ -185,9 +184,7 @@ def traced_inplace_abn(
     """:func:`functions.inplace_abn.inplace_abn` with batch statistics over the ranks of
     ``group`` (no replicas in the process), in ops that torch.compile traces. ``x`` (contiguous
     or channels_last) is written over and returned."""
-    total, mean, var = _gathered_stats(x.detach(), group, layer)
-    with torch.no_grad():
-        reference.update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, total)
+    total, mean, var = _gathered_stats(x.detach(), group, layer, (running_mean, running_var, num_batches_tracked, momentum))
     mean_acc, invstd = reference.normalization(mean, var, eps, accumulation_dtype(x.dtype))
     act = (eps, activation, float(activation_param))
     return TracedInPlaceABNFunction.apply(x, weight, bias, mean_acc, invstd, total, group, act)

@@ -18,6 +18,21 @@ inline at::ScalarType accumulation_type(at::ScalarType dtype) { return dtype == 
 // A contiguous (C,) tensor on the host, whose values the composite operators read in a loop.
 inline bool is_host_vector(const at::Tensor& t) { return t.is_cpu() && t.dim() == 1 && t.is_contiguous(); }
 
+// merge_gathered_stats' arguments (src/kernels.inc): rows (R, header + 2C), header >= 1 (the
+// count), agreeing <= header, flag a header column. Returns C.
+inline int64_t check_gathered_rows(const at::Tensor& rows, int64_t header, int64_t agreeing,
+                                   std::optional<int64_t> flag) {
+  TORCH_CHECK(rows.dim() == 2 && header >= 1 && rows.size(1) >= header && (rows.size(1) - header) % 2 == 0,
+              "syncbn.merge_gathered_stats: expected rows (R, header + 2C) with header ", header, ", got ",
+              rows.sizes());
+  TORCH_CHECK(0 <= agreeing && agreeing <= header && (!flag || (0 <= *flag && *flag < header)),
+              "syncbn.merge_gathered_stats: agreeing (", agreeing, ") and flag must be within the ", header,
+              " header columns");
+  TORCH_CHECK(rows.scalar_type() == at::kDouble, "syncbn.merge_gathered_stats: expected float64 rows, got ",
+              rows.scalar_type());
+  return (rows.size(1) - header) / 2;
+}
+
 // backward_affine_act's (dx, g, sum_g, sum_g_xmu): what was not asked for is an empty tensor
 // (an operator returns tensors, never None), with x's options for dx and g, mean's for the sums.
 using AffineActGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
@@ -57,8 +72,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_train(
 
 }  // namespace syncbn
 
-// Registers (in a file that includes <torch/library.h>) the kernels of namespace NS (local_stats, merge_stats, elemt_forward,
-// backward_reduce, backward_elemt, backward_affine_act, abn_*) and the composite operators for the
+// Registers (in a file that includes <torch/library.h>) the kernels of namespace NS (local_stats, merge_stats, merge_gathered_stats,
+// elemt_forward, backward_reduce, backward_elemt, backward_affine_act, abn_*) and the composite operators for the
 // dispatch key KEY (CPU, CUDA).
 #define SYNCBN_REGISTER_KERNELS(KEY, NS)                                    \
   TORCH_LIBRARY_IMPL(syncbn, KEY, m) {                                      \
@@ -72,6 +87,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_train(
     m.impl("abn_backward_reduce", TORCH_FN(NS::abn_backward_reduce));       \
     m.impl("abn_backward_elemt", TORCH_FN(NS::abn_backward_elemt));         \
     m.impl("abn_backward_elemt_", TORCH_FN(NS::abn_backward_elemt_));       \
+    m.impl("merge_gathered_stats", TORCH_FN(NS::merge_gathered_stats));     \
     m.impl("update_running_stats", TORCH_FN(syncbn::update_running_stats)); \
     m.impl("batch_norm_train", TORCH_FN(syncbn::batch_norm_train));         \
   }

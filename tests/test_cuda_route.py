@@ -136,13 +136,15 @@ def test_reference_kernels_that_serve_cuda_make_no_host_reads() -> None:
     x, z = torch.randn(4, 3, 5, 5), torch.randn(4, 3, 5, 5)
     m, invstd, w = torch.zeros(3), torch.ones(3), torch.rand(3) + 0.5
     counts, means = torch.tensor([3.0, 0.0, 4.0], dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)
-    running = [(torch.zeros(3), torch.ones(3), torch.tensor(2)) for _ in range(6)]
+    running = [(torch.zeros(3), torch.ones(3), torch.tensor(2)) for _ in range(8)]
     count = torch.tensor(100.0, dtype=torch.float64)
+    rows = torch.cat([torch.tensor([[7.0, 0.0, 3.0]] * 3, dtype=torch.float64), counts.unsqueeze(1), means, means.abs()], 1)
     with HostReads() as reads:
         ref.merge_stats(counts, means, means.abs())
         for momentum in (0.1, None):
             ref.update_running_stats(*running.pop(), momentum, means[0], means[1].abs(), 100)
             ref.update_running_stats(*running.pop(), momentum, means[0], means[1].abs(), count)
+            ref.merge_gathered_stats(rows, 4, 2, 1, *running.pop(), momentum)  # the ranks' rows, deferred checks
             ref.batch_norm_train(x, w, None, *running.pop(), momentum, 1e-5)
         ref.elemt_forward(x, m, invstd, w, None, z, 0.1)
         ref.backward_affine_act(z, x, m, invstd, w, None, z, 0.0, True, True, True)

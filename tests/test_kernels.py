@@ -294,6 +294,66 @@ def test_merge_stats_matches_reference(device) -> None:
         torch.testing.assert_close(a.cpu(), b, atol=1e-10, rtol=1e-13)
 
 
+def gathered_rows(counts: list[float], channels: int, heads: list[list[float]] | None = None) -> torch.Tensor:
+    """Rows as an all_gather over ranks brings them: header [layer, call, failed, count], mean
+    and M2 per rank (an empty rank carries zeros)."""
+    generator = torch.Generator().manual_seed(len(counts) * 100 + channels)
+    n = torch.tensor(counts, dtype=torch.float64).unsqueeze(1)
+    means = torch.randn(len(counts), channels, generator=generator, dtype=torch.float64) * 100 * (n > 0)
+    m2s = torch.rand(len(counts), channels, generator=generator, dtype=torch.float64) * n
+    head = torch.tensor(heads if heads is not None else [[7.0, 2.0, 0.0]] * len(counts), dtype=torch.float64)
+    return torch.cat([head, n, means, m2s], dim=1)
+
+
+GATHERED_CASES = {  # rows, and whether they are valid (agreeing: the first 2 columns, flag: column 2)
+    "valid": (gathered_rows([3.0, 0.0, 7.0, 1.0], 6), True),
+    "all empty": (gathered_rows([0.0, 0.0], 5), True),
+    "one value in all": (gathered_rows([0.0, 1.0, 0.0], 4), False),
+    "ranks at other calls": (gathered_rows([2.0, 2.0], 3, [[7.0, 2.0, 0.0], [7.0, 3.0, 0.0]]), False),
+    "a rank failed": (gathered_rows([2.0, 0.0, 2.0], 3, [[7.0, 2.0, 0.0], [7.0, 2.0, 1.0], [7.0, 2.0, 0.0]]), False),
+    "no channels": (gathered_rows([2.0, 3.0], 0), True),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(GATHERED_CASES))
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("running_dtype", [torch.float64, torch.float32, torch.float16], ids=str)
+def test_merge_gathered_stats_matches_reference(device, case, momentum, running_dtype) -> None:
+    rows, valid = GATHERED_CASES[case]
+    channels = (rows.size(1) - 4) // 2
+    ours = [torch.linspace(-1, 1, channels, dtype=running_dtype), torch.linspace(1, 2, channels, dtype=running_dtype), torch.tensor(4)]
+    theirs = [t.clone() for t in ours]
+    ours = [t.to(device) for t in ours]
+    got = OPS.merge_gathered_stats(rows.to(device), 4, 2, 2, *ours, momentum)
+    expected = ref.merge_gathered_stats(rows, 4, 2, 2, *theirs, momentum)
+    assert [t.device.type for t in got] == [device] * 4
+    assert bool(got[3]) == bool(expected[3]) == valid
+    for a, b in zip(got[:3], expected[:3]):
+        torch.testing.assert_close(a.cpu(), b, atol=1e-10, rtol=1e-13)
+    tolerance = {"atol": 1e-3, "rtol": 1e-3} if running_dtype == torch.float16 else {"atol": 1e-6, "rtol": 1e-6}
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.cpu(), b, **tolerance)
+    assert ours[2].item() == theirs[2].item() == 4 + valid
+
+
+@needs_compiled
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_merge_gathered_stats_has_the_bits_of_merge_stats_and_update_running_stats(momentum) -> None:
+    """On the CPU, checks read at once (merge_stats, then update_running_stats with the host
+    count) and deferred (merge_gathered_stats) give every rank the same bits."""
+    rows = gathered_rows([3.0, 0.0, 7.0, 5.0], 9)
+    heads, means, m2s = rows.split([4, 9, 9], dim=1)
+    ours = [torch.rand(9, dtype=torch.float32), torch.rand(9, dtype=torch.float32) + 1, torch.tensor(2)]
+    theirs = [t.clone() for t in ours]
+    total, mean, var, _ = OPS.merge_gathered_stats(rows, 4, 2, 2, *ours, momentum)
+    expected_mean, expected_var = OPS.merge_stats(heads[:, 3], means, m2s)
+    OPS.update_running_stats(*theirs, momentum, expected_mean, expected_var, 15)
+    assert total.item() == 15
+    for a, b in zip([mean, var, *ours], [expected_mean, expected_var, *theirs]):
+        assert torch.equal(a, b)
+
+
 # M2 of float32 data with mean 1e4 and std 1, relative to the truth: the CPU's float lanes fold
 # into double every 16 values, CUDA's threads likewise but over more values per thread
 LARGE_MEAN_M2_RTOL = {"cpu": 1e-6, "cuda": 1e-5}

@@ -43,6 +43,10 @@ def operator_calls(x: torch.Tensor) -> list[tuple[str, tuple]]:
     running = acc if dtype == torch.float64 else torch.float32
     stats = lambda: (channel(dtype=running), channel(1.0, running), torch.tensor(3, device=device))  # noqa: E731
     count = max(1, x.numel() // C)
+    # an all_gather's rows (header [layer, call, failed, count]), the third rank failed
+    heads = torch.tensor([[7.0, 2.0, 0.0, 3.0], [7.0, 2.0, 0.0, 0.0], [7.0, 2.0, 1.0, 4.0]], dtype=torch.float64)
+    parts = torch.rand(3, 2 * C, generator=generator, dtype=torch.float64) * heads[:, 3:]
+    rows = torch.cat([heads, parts], dim=1).to(device)
     return [
         ("local_stats", (x,)),
         ("merge_stats", (torch.tensor([3.0, 0.0, 4.0], device=device), torch.randn(3, C, dtype=torch.float64, device=device), channel().expand(3, C).contiguous().double())),
@@ -54,6 +58,9 @@ def operator_calls(x: torch.Tensor) -> list[tuple[str, tuple]]:
         ("backward_affine_act", (like_x(), x, mean, invstd, None, bias, None, None, False, False, True)),
         ("update_running_stats", (*stats(), 0.1, channel(dtype=torch.float64), channel(1.0, torch.float64), 7)),
         ("update_running_stats", (*stats(), None, channel(dtype=torch.float64), channel(1.0, torch.float64), 7)),
+        ("merge_gathered_stats", (rows, 4, 2, None, *stats(), 0.1)),
+        ("merge_gathered_stats", (rows, 4, 2, 2, *stats(), None)),  # not valid: nothing updates
+        ("merge_gathered_stats", (rows, 4, 2, None, None, None, None, None)),
         ("batch_norm_train", (x, weight, bias, *stats(), 0.1, 1e-5)),
         ("batch_norm_train", (x, None, None, None, None, None, None, 1e-5, like_x(), 0.0)),
         ("abn_forward_", (like_x(), mean, invstd, -weight, bias, 1e-5, "leaky_relu", 0.01)),

@@ -32,7 +32,7 @@ def reported(monkeypatch: pytest.MonkeyPatch) -> list:
     """The failed-flag rows this process would send; the all_gather answers as a world of one."""
     sent: list = []
     monkeypatch.setattr(synchronization, "report_failure", lambda call, channels, device: sent.append(call))
-    monkeypatch.setattr(synchronization, "all_gather_stats", lambda local, call: (local.count, *stats.merge([local])))
+    monkeypatch.setattr(synchronization, "all_gather_stats", lambda local, call, running: stats.merge([local]))
     return sent
 
 
@@ -66,15 +66,20 @@ def test_the_merge_gives_the_statistics_of_the_whole_batch() -> None:
     x = torch.randn(7, 3, 4, dtype=torch.float64)
     parts = [stats.LocalStats(c.numel() // 3, *ref.local_stats(c), c.dtype, c.shape) for c in (x[:4], x[4:])]
     sync = Synchronizer.for_call(handles(2)[0], None, ProcessGroupSync(), "layer", 3, CPU)
-    count, mean, var = sync.merge_stats(parts)
-    assert count == 28 and sync.count == 28
+    running = (torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64), torch.tensor(0), 1.0)
+    mean, var = sync.merge_stats(parts, running)
+    assert sync.count == 28
+    torch.testing.assert_close(running[0], x.mean((0, 2)))  # momentum 1: the batch's statistics
+    torch.testing.assert_close(running[1], x.var((0, 2)))
+    assert running[2].item() == 1
     torch.testing.assert_close(mean, x.mean((0, 2)))
     torch.testing.assert_close(var, x.var((0, 2), correction=0))
     sums = sync.sum_over_ranks(x.sum((0, 2)), x.square().sum((0, 2)))  # no process group: as given
     torch.testing.assert_close(sums[0], x.sum((0, 2)))
     disagreeing = [parts[0], stats.LocalStats(4, parts[1].mean.float(), parts[1].m2.float(), torch.float32, x.shape)]
     with pytest.raises(RuntimeError, match="layer: replicas disagree on their input"):
-        sync.merge_stats(disagreeing)
+        sync.merge_stats(disagreeing, running)
+    assert running[2].item() == 1  # nothing updated
 
 
 def test_a_failure_before_the_collective_releases_the_round_and_tells_the_ranks(reported: list) -> None:
@@ -93,7 +98,7 @@ def test_a_failure_before_the_collective_releases_the_round_and_tells_the_ranks(
 def test_no_report_once_the_collective_was_joined_nor_for_an_interrupt(reported: list) -> None:
     x = torch.randn(4, 3, dtype=torch.float64)
     joined = Synchronizer.for_call(None, object(), ProcessGroupSync(), "layer", 3, CPU)
-    joined.merge_stats([stats.LocalStats(4, *ref.local_stats(x), x.dtype, x.shape)])
+    joined.merge_stats([stats.LocalStats(4, *ref.local_stats(x), x.dtype, x.shape)], (None, None, None, 0.1))
     joined.fail(RuntimeError("in backward"))  # the other ranks are in the backward's all_reduce
     interrupted = Synchronizer.for_call(None, object(), ProcessGroupSync(), "layer", 3, CPU)
     interrupted.fail(KeyboardInterrupt())

@@ -581,3 +581,41 @@ std::tuple<at::Tensor, at::Tensor> merge_stats(const at::Tensor& counts, const a
 }
 
 }  // namespace syncbn::cpu
+
+namespace syncbn::cpu {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_gathered_stats(
+    const at::Tensor& rows, int64_t header, int64_t agreeing, std::optional<int64_t> flag,
+    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
+    const std::optional<at::Tensor>& num_batches_tracked, std::optional<double> momentum) {
+  const int64_t C = check_gathered_rows(rows, header, agreeing, flag);
+  const auto r = rows.contiguous();
+  const int64_t R = r.size(0), width = r.size(1);
+  const double* first = r.const_data_ptr<double>();
+  std::vector<double> counts(R);
+  std::vector<const double*> means(R), m2s(R);
+  bool valid = true;
+  double total = 0;
+  for (int64_t i = 0; i < R; ++i) {
+    const double* row = first + i * width;
+    for (int64_t k = 0; k < agreeing; ++k) valid = valid && row[k] == first[k];
+    if (flag) valid = valid && row[*flag] == 0;
+    counts[i] = row[header - 1];
+    total += counts[i];
+    means[i] = row + header;
+    m2s[i] = row + header + C;
+  }
+  valid = valid && total != 1;
+  auto mean = at::zeros({C}, r.options()), var = at::ones({C}, r.options());
+  if (total > 0) {  // merge_stats' loop and division: the bits of the checks-at-once path
+    double* out_var = var.data_ptr<double>();
+    merge_moments(counts.data(), means.data(), m2s.data(), R, C, mean.data_ptr<double>(), out_var);
+    for (int64_t c = 0; c < C; ++c) out_var[c] /= total;
+  }
+  // a valid total is a whole number of values (not 1): update_running_stats' int count (a NaN
+  // count, from garbage rows, updates nothing, as the reference's NaN count)
+  if (valid && std::isfinite(total)) update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, int64_t(total));
+  return {at::scalar_tensor(total, r.options()), mean, var, at::scalar_tensor(valid, r.options().dtype(at::kBool))};
+}
+
+}  // namespace syncbn::cpu

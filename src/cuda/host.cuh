@@ -75,6 +75,7 @@ constexpr int kFinishThreads = 256;        // finish_kernel, a warp per channel
 constexpr int kElementwiseThreads = 256;   // elementwise_kernel, 1-D
 constexpr int kCoefficientThreads = 256;   // coefficients_kernel, 1-D
 constexpr int kMaxTileChannels = 64;       // packs of channels per channels_last tile (TX)
+constexpr int kMergeThreads = 256;         // merge_gathered_kernel, 1-D over channels
 // The channels_last reduction's second bound: 1 block a multiprocessor at least, so ptxas gives
 // it the registers it needs (up to 128 a thread). With the first bound alone ptxas traded spills
 // for more resident blocks (sm_80, float64: 48 registers cut to 40 with 104 bytes of spills).
