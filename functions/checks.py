@@ -21,7 +21,8 @@ layer. ``$SYNCBN_CHECKS`` says when verdicts are read:
 A deferred failure raises the same error as ``layer`` mode would have, later (its message says
 so); the verdicts pending then are dropped with it (they are most often its consequences).
 Meanwhile the step went on with the statistics as gathered, but a failed exchange changed no
-running statistics (its count is NaN on the device, :func:`functions.distributed.all_gather_stats`).
+running statistics (the ``merge_gathered_stats`` operator updates them only where the rows pass
+the checks, on the device: :func:`functions.distributed.all_gather_stats`).
 A rank that raised at once (its own bad input) joined that exchange with a failed flag and then
 stops: the others raise when they read that verdict, or wait at their next collective until the
 process group's timeout (``init_process_group(timeout=...)``), never a silent hang.

@@ -291,7 +291,7 @@ def merge_gathered_stats(
     ``rows`` is ``(R, header + 2C)`` float64: per rank, ``header`` values (the last is its
     count), then its mean ``(C,)`` and M2 ``(C,)``. They are *valid* when the first
     ``agreeing`` columns are equal on every row, column ``flag`` (when given) is 0 on every
-    row, and the total count is not 1. Returns the total count (0-dim float64), the mean and
+    row, and the total count is a whole number of values (below 2**63) other than 1. Returns the total count (0-dim float64), the mean and
     biased variance ``(C,)`` (Chan's formula, :func:`merge_stats`; all empty: mean 0 and
     variance 1) and ``valid`` (0-dim bool). Where valid only, the running statistics and
     ``num_batches_tracked`` update as :func:`update_running_stats` with the total as count.
@@ -304,7 +304,8 @@ def merge_gathered_stats(
     # all empty: any positive weights give mean 0 and M2 0 (the parts' are 0), then var := 1
     mean, var = merge_stats(torch.where(empty, 1.0, counts), means, m2s)
     var = torch.where(empty, 1.0, var)
-    valid = (heads[:, :agreeing] == heads[:1, :agreeing]).all() & (total != 1)
+    whole = (total >= 0) & (total < 2.0**63) & (total == total.floor())  # NaN: False
+    valid = (heads[:, :agreeing] == heads[:1, :agreeing]).all() & whole & (total != 1)
     if flag is not None:
         valid = valid & (heads[:, flag] == 0).all()
     counted = torch.where(valid, total, torch.nan)  # NaN: update_running_stats leaves everything

@@ -14,9 +14,9 @@ what crosses replicas and ranks:
 
 - :meth:`Synchronizer.merge_stats`: the replicas' (count, mean, M2) fetched onto the master's
   device after each part's work (:mod:`functions.devices`: an event per part, no host sync),
-  checked to agree, and, where a process group is given, merged into the process's part and
-  sent through ONE all_gather (:mod:`functions.distributed`); then every part merged in rank
-  order (:func:`functions.stats.merge`);
+  checked to agree and merged (:func:`functions.stats.merge`), and, where a process group is
+  given, merged into the process's part and sent through ONE all_gather, whose rows every rank
+  merges in rank order (:mod:`functions.distributed`); the running statistics updated once;
 - :meth:`Synchronizer.sum_over_ranks`: the backward's (sum_dy, sum_dy_xmu) row over the ranks in
   ONE all_reduce;
 - :meth:`Synchronizer.stream_for`: the stream a replica runs on, which the master runs its part

@@ -33,6 +33,15 @@ inline int64_t check_gathered_rows(const at::Tensor& rows, int64_t header, int64
   return (rows.size(1) - header) / 2;
 }
 
+// merge_gathered_stats' rule for a total count that can update the running statistics: a whole
+// number in [0, 2^63) (NaN fails every comparison), so that it converts to int64_t exactly.
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+inline bool is_whole_count(double total) {
+  return total >= 0 && total < 9223372036854775808.0 && total == static_cast<double>(static_cast<int64_t>(total));
+}
+
 // backward_affine_act's (dx, g, sum_g, sum_g_xmu): what was not asked for is an empty tensor
 // (an operator returns tensors, never None), with x's options for dx and g, mean's for the sums.
 using AffineActGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;

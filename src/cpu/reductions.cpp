@@ -605,16 +605,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_gathered_stats(
     means[i] = row + header;
     m2s[i] = row + header + C;
   }
-  valid = valid && total != 1;
+  valid = valid && is_whole_count(total) && total != 1;
   auto mean = at::zeros({C}, r.options()), var = at::ones({C}, r.options());
   if (total > 0) {  // merge_stats' loop and division: the bits of the checks-at-once path
     double* out_var = var.data_ptr<double>();
     merge_moments(counts.data(), means.data(), m2s.data(), R, C, mean.data_ptr<double>(), out_var);
     for (int64_t c = 0; c < C; ++c) out_var[c] /= total;
   }
-  // a valid total is a whole number of values (not 1): update_running_stats' int count (a NaN
-  // count, from garbage rows, updates nothing, as the reference's NaN count)
-  if (valid && std::isfinite(total)) update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, int64_t(total));
+  // a valid total is a whole number of values (not 1): update_running_stats' int count
+  if (valid) update_running_stats(running_mean, running_var, num_batches_tracked, momentum, mean, var, int64_t(total));
   return {at::scalar_tensor(total, r.options()), mean, var, at::scalar_tensor(valid, r.options().dtype(at::kBool))};
 }
 

@@ -19,7 +19,8 @@ struct RunningUpdate {
 
 // One thread per channel (one block where C is 0). Every thread judges the R rows' headers and
 // adds their counts itself (R is the number of ranks: a few reads each, all threads the same
-// addresses), so that no thread waits for another. Chan in row order, as the CPU's merge_moments.
+// addresses), so that no thread waits for another. Chan in row order, the CPU's merge_moments'
+// formula (not its bits: nvcc contracts to FMAs); every rank runs this kernel on the same rows.
 template <typename running_t>
 __global__ void __launch_bounds__(kMergeThreads)
     merge_gathered_kernel(const double* rows, int64_t R, int64_t width, int64_t header, int64_t agreeing,
@@ -35,7 +36,7 @@ __global__ void __launch_bounds__(kMergeThreads)
     for (int64_t k = 0; k < agreeing; ++k) valid = valid && row[k] == rows[k];
     if (flag >= 0) valid = valid && row[flag] == 0;
   }
-  valid = valid && total != 1;
+  valid = valid && is_whole_count(total) && total != 1;
   if (c == 0) {
     *total_out = total;
     *valid_out = valid;
