@@ -11,7 +11,9 @@ backward (the input requires grad, as inside a network) of a tiny (8, 8, 4, 4) f
 - a small ResNet (stem + 8 basic blocks: 17 batch norms, residual adds; batch 16x3x16x16), one
   training step (forward, loss, backward) under 4 thread replicas, converted against unsynced,
   with one intra-op thread and with the process's default (the replicas share those; and torch's
-  step once more with every replica starting a team of all of them, as before the share);
+  step once more with every replica starting a team of all of them, as before the share); the
+  two contenders alternate step by step, medians of single steps (blocks of steps taken in turn
+  let a slow spell of the VM fall on one contender: 0.95x and 1.10x in two runs of one day);
 - processes: R Gloo ranks on loopback (one intra-op thread each) under DDP, ours against
   ``nn.BatchNorm2d``, and the two collectives of a layer alone (an all_gather of a 14 + 2C row,
   an all_reduce of 2C + 4 values, float64) in the same processes; every rank runs the same fixed
@@ -112,6 +114,18 @@ def small_resnet(channels: int = 16, blocks: int = 8) -> nn.Module:
     )
 
 
+def alternating(timers: dict, steps: int) -> dict:
+    """Median seconds of one run of each timer, the timers run in turn one run at a time, so that
+    every contender meets the same moments of a noisy machine."""
+    samples: dict = {key: [] for key in timers}
+    for timer in timers.values():
+        timer.timeit(3)  # workers started, caches warm
+    for _ in range(steps):
+        for key, timer in timers.items():
+            samples[key].append(timer.timeit(1).median)
+    return {key: median(values) for key, values in samples.items()}
+
+
 def resnet_step(model: nn.Module, replicas: int, threads: int) -> benchmark.Timer:
     """One training step of ``model`` under R thread replicas, the caller having ``threads``
     intra-op threads."""
@@ -120,15 +134,15 @@ def resnet_step(model: nn.Module, replicas: int, threads: int) -> benchmark.Time
     return benchmark.Timer("runner(x).square().mean().backward()", globals=dict(runner=runner, x=x), num_threads=threads)
 
 
-def resnet_row(replicas: int, min_run_time: float, rounds: int, threads: int = 1) -> tuple[float, float]:
-    """Seconds of one training step of the small ResNet under R thread replicas: converted
-    (ours, meeting natively), unsynced."""
+def resnet_row(replicas: int, steps: int, threads: int = 1) -> tuple[float, float]:
+    """Seconds of one training step of the small ResNet under R thread replicas (medians of
+    ``steps`` alternating steps): converted (ours, meeting natively), unsynced."""
     torch.manual_seed(0)
     timers = {
         "ours": resnet_step(NN.convert_sync_batchnorm(small_resnet()), replicas, threads),
         "torch": resnet_step(small_resnet(), replicas, threads),
     }
-    t = interleaved(timers, min_run_time, rounds)
+    t = alternating(timers, steps)
     return t["ours"], t["torch"]
 
 
@@ -300,15 +314,17 @@ def main() -> None:
             f"{us(free[mode] - free['torch'])}: our own part |"
         )
         print(lines[-1], flush=True)
-    ours, theirs = resnet_row(4, min_run_time * 4, rounds)
+    steps = 150 if args.quick else 400
+    ours, theirs = resnet_row(4, steps)
     lines += [
         "",
         f"A small ResNet (17 batch norms, residual adds; batch 16x3x16x16), one training step under 4 thread "
-        f"replicas: converted {ours * 1e3:.1f} ms, unsynced {theirs * 1e3:.1f} ms, {ours / theirs:.2f}x.",
+        f"replicas, medians of {steps} steps each, the two alternating step by step: converted {ours * 1e3:.1f} ms, "
+        f"unsynced {theirs * 1e3:.1f} ms, {ours / theirs:.2f}x.",
     ]
     print(lines[-1], flush=True)
     if default_threads > 1:
-        ours, theirs = resnet_row(4, min_run_time * 4, rounds, default_threads)
+        ours, theirs = resnet_row(4, steps, default_threads)
         unshared = resnet_without_thread_shares(4, min_run_time * 4, default_threads)
         lines += [
             "",
