@@ -14,6 +14,9 @@ backward (the input requires grad, as inside a network) of a tiny (8, 8, 4, 4) f
   step once more with every replica starting a team of all of them, as before the share); the
   two contenders alternate step by step, medians of single steps (blocks of steps taken in turn
   let a slow spell of the VM fall on one contender: 0.95x and 1.10x in two runs of one day);
+  measured first, while ThreadedDataParallel's pool of worker threads holds only theirs (after
+  the rows of up to 8 replicas the runners rotate through a dozen pooled threads, which measured
+  1.03x where a fresh process measured 1.10x);
 - processes: R Gloo ranks on loopback (one intra-op thread each) under DDP, ours against
   ``nn.BatchNorm2d``, and the two collectives of a layer alone (an all_gather of a 14 + 2C row,
   an all_reduce of 2C + 4 values, float64) in the same processes; every rank runs the same fixed
@@ -289,6 +292,30 @@ def main() -> None:
         "| path | our layer | torch's unsynced layer, same wrapper | synchronizing adds |",
         "|---|---|---|---|",
     ]
+    # first, while the pool of ThreadedDataParallel's workers holds only the threads these two
+    # runners use: after the rows below (up to 8 replicas) the runners take turns at a dozen
+    # pooled threads, which measured 1.03x where a fresh process measured 1.10x
+    resnet_lines: list[str] = []
+    steps = 150 if args.quick else 400
+    ours, theirs = resnet_row(4, steps)
+    resnet_lines += [
+        "",
+        f"A small ResNet (17 batch norms, residual adds; batch 16x3x16x16), one training step under 4 thread "
+        f"replicas, medians of {steps} steps each, the two alternating step by step: converted {ours * 1e3:.1f} ms, "
+        f"unsynced {theirs * 1e3:.1f} ms, {ours / theirs:.2f}x.",
+    ]
+    print(resnet_lines[-1], flush=True)
+    if default_threads > 1:
+        ours, theirs = resnet_row(4, steps, default_threads)
+        unshared = resnet_without_thread_shares(4, min_run_time * 4, default_threads)
+        resnet_lines += [
+            "",
+            f"The same with the process's default {default_threads} intra-op threads (the 4 CPU replicas share them, "
+            f"{max(1, default_threads // 4)} each): converted {ours * 1e3:.1f} ms, unsynced {theirs * 1e3:.1f} ms, "
+            f"{ours / theirs:.2f}x; unsynced with every replica starting a team of all {default_threads} threads "
+            f"(before the share): {unshared * 1e3:.1f} ms.",
+        ]
+        print(resnet_lines[-1], flush=True)
     for replicas in replica_counts:
         for native, how in ((True, "native meeting"), (False, "Python exchange")):
             ours, theirs = threads_row(replicas, min_run_time, rounds, native)
@@ -314,26 +341,7 @@ def main() -> None:
             f"{us(free[mode] - free['torch'])}: our own part |"
         )
         print(lines[-1], flush=True)
-    steps = 150 if args.quick else 400
-    ours, theirs = resnet_row(4, steps)
-    lines += [
-        "",
-        f"A small ResNet (17 batch norms, residual adds; batch 16x3x16x16), one training step under 4 thread "
-        f"replicas, medians of {steps} steps each, the two alternating step by step: converted {ours * 1e3:.1f} ms, "
-        f"unsynced {theirs * 1e3:.1f} ms, {ours / theirs:.2f}x.",
-    ]
-    print(lines[-1], flush=True)
-    if default_threads > 1:
-        ours, theirs = resnet_row(4, steps, default_threads)
-        unshared = resnet_without_thread_shares(4, min_run_time * 4, default_threads)
-        lines += [
-            "",
-            f"The same with the process's default {default_threads} intra-op threads (the 4 CPU replicas share them, "
-            f"{max(1, default_threads // 4)} each): converted {ours * 1e3:.1f} ms, unsynced {theirs * 1e3:.1f} ms, "
-            f"{ours / theirs:.2f}x; unsynced with every replica starting a team of all {default_threads} threads "
-            f"(before the share): {unshared * 1e3:.1f} ms.",
-        ]
-        print(lines[-1], flush=True)
+    lines += resnet_lines
     lines += ["", "The bare Python exchange (`ReplicaRound.exchange`, R threads, a combine that sums ints), per exchange:", ""]
     lines.append(" ".join(f"{r} threads: {us(bare_exchange(r))} us;" for r in replica_counts).rstrip(";"))
     lines.append(END)
