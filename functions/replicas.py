@@ -6,11 +6,12 @@ to the tracker's current :class:`ReplicaRound` (index 0 is the master) or opens 
 Where a round begins:
 
 - under torch's own ``replicate()`` (stock ``nn.DataParallel``), the replica's position is read
-  from that call's loop (:func:`torch_replicate_position`): replica 0 opens a new round. This
+  from that call's loop (:func:`torch_replicate_position`), and under ThreadedDataParallel's
+  replication it is said (:func:`replicas_in_order`): replica 0 opens a new round. This
   holds even when the previous step failed before any replica reached the layer and its
   replicas are still alive (an exception's traceback keeps DataParallel's frame alive);
-- otherwise a round takes members until it is *sealed* (its first exchange began, or the caller,
-  like ThreadedDataParallel, said that replication is done) or until all its members are gone:
+- otherwise a round takes members until it is *sealed* (its first exchange began, or the caller
+  said that replication is done, as ThreadedDataParallel does too) or until all its members are gone:
   a replicate() holds every replica of a round alive while it creates them and drops them after
   the step, so a replica whose round-mates are all gone starts a new round.
 
@@ -299,7 +300,9 @@ class RoundTracker:
         """Add ``replica`` to the current round or to a new one; ``settings()`` gives a new
         round's layer label and timeout (called only where a round begins: this runs for every
         replica of every layer at every step)."""
-        position = torch_replicate_position()
+        position = REPLICATING.index
+        if position is None:
+            position = torch_replicate_position()
         with self._lock:
             if self._starts_round(position):
                 layer, timeout = settings()  # may raise (a bad timeout): no round number taken
@@ -313,6 +316,32 @@ class RoundTracker:
         if position is not None:
             return position == 0 or self._current.sealed
         return not self._current.accepts_members()
+
+
+class ReplicatingIndex(threading.local):
+    """The index of the replica that the replicating code on this thread is making, where that
+    code says it (:func:`replicas_in_order`); None elsewhere. Read before
+    :func:`torch_replicate_position`, whose walk up the frames costs more: a join runs for
+    every replica of every layer at every step."""
+
+    index: int | None = None
+
+
+REPLICATING = ReplicatingIndex()
+
+
+def replicas_in_order(module: nn.Module, count: int) -> list[nn.Module]:
+    """``count`` replicas of ``module``, made as torch's replicate() makes them (one
+    ``_replicate_for_data_parallel()`` per replica, in index order), each with its index in
+    :data:`REPLICATING`, so that a synchronized layer's replica 0 opens a new round."""
+    replicas = []
+    try:
+        for index in range(count):
+            REPLICATING.index = index
+            replicas.append(module._replicate_for_data_parallel())
+    finally:
+        REPLICATING.index = None
+    return replicas
 
 
 _REPLICATE_CODE = _torch_replicate.__code__

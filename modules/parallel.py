@@ -27,7 +27,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..functions.backend import set_thread_intra_op_threads
 from ..functions.devices import fetch
-from ..functions.replicas import ReplicaRound, ReplicaSyncError, abort_rounds, replica_rounds, resolve_timeout
+from ..functions.replicas import (
+    ReplicaRound, ReplicaSyncError, abort_rounds, replica_rounds, replicas_in_order, resolve_timeout,
+)
 
 from .compiler import disable_when_compiling
 from .conversion import name_sync_layers
@@ -107,7 +109,7 @@ def _replicate(module: nn.Module, devices: Sequence[torch.device]) -> tuple[list
 
     modules = list(module.modules())
     module_index = {m: i for i, m in enumerate(modules)}
-    copies = [[m._replicate_for_data_parallel() for _ in devices] for m in modules]
+    copies = [replicas_in_order(m, len(devices)) for m in modules]
     for i, original in enumerate(modules):
         for j, replica in enumerate(copies[i]):
             for key, child in original._modules.items():

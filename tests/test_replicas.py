@@ -433,6 +433,30 @@ def test_torch_replicate_still_has_the_loop_variable_that_round_detection_reads(
     assert torch_replicate_position() is None  # not called from replicate()
 
 
+def test_replicas_in_order_open_a_round_at_index_0_while_the_last_rounds_replicas_live() -> None:
+    # ThreadedDataParallel's replication says each replica's index (REPLICATING): replica 0 opens
+    # a new round even where the last step's replicas are still alive (a traceback can keep them),
+    # which the membership rule alone would let them join; the index is cleared afterwards
+    from functions.replicas import REPLICATING, replicas_in_order
+
+    bn = NN.SyncBatchNorm2d(3)
+    kept = replicas_in_order(bn, 2)  # alive, and their round never sealed
+    again = replicas_in_order(bn, 3)
+    handles = [r.__dict__["_sync_replica"] for r in kept + again]
+    assert [h.index for h in handles] == [0, 1, 0, 1, 2]
+    assert handles[0].round is handles[1].round and handles[2].round is not handles[0].round
+    assert handles[2].round.size == 3 and handles[0].round.size == 2
+    assert REPLICATING.index is None
+
+    class Raises(nn.Module):
+        def _replicate_for_data_parallel(self):
+            raise RuntimeError("no replica")
+
+    with pytest.raises(RuntimeError, match="no replica"):
+        replicas_in_order(Raises(), 2)
+    assert REPLICATING.index is None
+
+
 def exchange_path_of(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if path == "python":
         monkeypatch.setattr(backend, "NATIVE_ROUNDS", None)
