@@ -334,13 +334,13 @@ def replicas_in_order(module: nn.Module, count: int) -> list[nn.Module]:
     """``count`` replicas of ``module``, made as torch's replicate() makes them (one
     ``_replicate_for_data_parallel()`` per replica, in index order), each with its index in
     :data:`REPLICATING`, so that a synchronized layer's replica 0 opens a new round."""
-    replicas = []
+    replicas, outer = [], REPLICATING.index  # a replication inside a replica's own making
     try:
         for index in range(count):
             REPLICATING.index = index
             replicas.append(module._replicate_for_data_parallel())
     finally:
-        REPLICATING.index = None
+        REPLICATING.index = outer
     return replicas
 
 
