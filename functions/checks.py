@@ -111,6 +111,20 @@ def verify(verdict: Tensor, explain: Explain) -> list | None:
     return None
 
 
+def verify_judged(valid: Tensor, verdict: Callable[[], Tensor], explain: Explain) -> bool:
+    """:func:`verify` where the device has judged already: ``valid`` (0-dim bool) says whether
+    ``verdict()`` (made on the same device) passes. Read at once, only ``valid`` is read, and the
+    verdict only where it fails, to raise ``explain``'s error; deferred, as :func:`verify`.
+    Returns whether it was read at once (and passed)."""
+    if not reads_at_once(valid.device):
+        _defer(verdict(), explain)
+        return False
+    if not bool(valid):
+        values = _host_values(verdict().cpu())
+        raise explain(values) or RuntimeError(f"the device judged the ranks' exchange failed, yet its values {values} pass")
+    return True
+
+
 def _defer(verdict: Tensor, explain: Explain) -> None:
     in_backward = torch._C._current_graph_task_id() != -1
     if verdict.device.type == "cuda":

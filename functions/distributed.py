@@ -13,7 +13,7 @@ on the collective's device (``merge_gathered_stats``: where the verdict fails, n
 updated); nothing is read on the host per layer but where :mod:`functions.checks` says (at once
 for CPU tensors or ``SYNCBN_CHECKS=layer``, deferred on CUDA by default).
 
-Backward: ONE all_reduce (sum) of the float64 row [sum_dy (C), sum_dy_xmu (C), id, id^2, n, n^2]
+Backward: ONE all_reduce (sum) of the float64 row [id, id^2, n, n^2, sum_dy (C), sum_dy_xmu (C)]
 (layer id and call number n). All ranks agree iff count * sum(v^2) == sum(v)^2 for each of the
 two (Cauchy-Schwarz), and every rank sees the same sums, so a mismatch raises on every rank.
 
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import checks, devices
+from . import checks
 from .ops import OVERLOADS
 from .reference import in_dtype
 from .stats import LocalStats, Running
@@ -41,6 +41,7 @@ from .stats import LocalStats, Running
 SHAPE_DIMS = 8  # input dims carried for error messages; further dims are dropped
 LAYER, NUMBER, DTYPE, FAILED, NDIM, SHAPE = range(6)  # the header's columns: the first three agree
 HEADER_SIZE = SHAPE + SHAPE_DIMS + 1  # and the count
+IDENTITY_SIZE = 4  # the backward row's [id, id^2, n, n^2]
 LAYER_ID_RANGE = 2**20  # ids and call numbers below 2**20: their squares sum exactly in float64
 _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 
@@ -107,9 +108,7 @@ def _stats_row(local: LocalStats, call: ProcessGroupCall, failed: bool) -> Tenso
         *([0] * (SHAPE_DIMS - len(shape))),
         local.count,
     ]
-    mean = in_dtype(local.mean, torch.float64)
-    head = devices.host_values_on(header, mean.device)  # pinned, non-blocking: no drain
-    return torch.cat([head, mean, in_dtype(local.m2, torch.float64)])
+    return OVERLOADS.pack_row(header, local.mean, local.m2)  # the header from pinned memory: no drain
 
 
 def _all_gather_rows(row: Tensor, group: Any) -> Tensor:
@@ -129,6 +128,9 @@ def _all_gather_rows(row: Tensor, group: Any) -> Tensor:
 def _explain_forward(call: ProcessGroupCall, heads: list[list[float]]) -> BaseException | None:
     """The error that the gathered headers (read on the host) stand for (the same on every rank:
     they all hold the same rows), or None: what ``merge_gathered_stats`` judges on the device."""
+    total = sum(head[HEADER_SIZE - 1] for head in heads)
+    if not (0 <= total < 2.0**63 and total == int(total)):  # NaN fails the first test
+        return RuntimeError(f"{call.layer}: the ranks' gathered counts are malformed (their total is {total})")
     heads = [[int(v) for v in head] for head in heads]
     if any(head[FAILED] for head in heads):
         ranks = [rank for rank, head in enumerate(heads) if head[FAILED]]
@@ -146,17 +148,13 @@ def _explain_forward(call: ProcessGroupCall, heads: list[list[float]]) -> BaseEx
     if any(head[DTYPE] != heads[0][DTYPE] for head in heads):
         names = [str(_DTYPES[h[DTYPE]]) if 0 <= h[DTYPE] < len(_DTYPES) else "?" for h in heads]
         return RuntimeError(f"{call.layer}: ranks disagree on the input dtype: {names} (per rank)")
-    if _total_count(heads) == 1:
+    if total == 1:
         shapes = ", ".join(str(tuple(head[SHAPE : SHAPE + min(head[NDIM], SHAPE_DIMS)])) for head in heads)
         return ValueError(
             f"{call.layer}: Expected more than 1 value per channel when training, got input size "
             f"{shapes} over {len(heads)} ranks"
         )
     return None
-
-
-def _total_count(heads: list[list[float]]) -> int:
-    return int(sum(head[HEADER_SIZE - 1] for head in heads))
 
 
 def all_gather_stats(local: LocalStats, call: ProcessGroupCall, running: Running) -> tuple[int | Tensor, Tensor, Tensor]:
@@ -168,15 +166,16 @@ def all_gather_stats(local: LocalStats, call: ProcessGroupCall, running: Running
     CUDA device for NCCL, the CPU for Gloo); so are the mean and variance returned. The count is
     an int where the checks are read at once (:mod:`functions.checks`), else a 0-dim float64
     tensor on that device, never read on the host. The checks raise alike on every rank when the
-    ranks are at different calls, disagree on the dtype, one reported a failure, or they hold one
-    value per channel between them: at once before anything is updated, or deferred, where the
-    failed exchange updated nothing (``merge_gathered_stats``).
+    ranks are at different calls, disagree on the dtype, one reported a failure, they hold one
+    value per channel between them, or their counts are malformed: at once, or deferred; either
+    way the failed exchange updated nothing (``merge_gathered_stats`` judges the rows on the
+    device; read at once, only its verdict is read where the rows pass).
     """
     rows = _all_gather_rows(_stats_row(local, call, failed=False), call.group)
-    # the headers are the verdict: read at once, they are checked before anything is merged
-    read = checks.verify(rows[:, :HEADER_SIZE], lambda values: _explain_forward(call, values))
-    total, mean, var, _ = OVERLOADS.merge_gathered_stats(rows, HEADER_SIZE, DTYPE + 1, FAILED, *running)
-    return (total if read is None else _total_count(read)), mean, var
+    # rows that fail the checks update nothing; read at once, the headers are read only then
+    total, mean, var, valid = OVERLOADS.merge_gathered_stats(rows, HEADER_SIZE, DTYPE + 1, FAILED, *running)
+    read = checks.verify_judged(valid, lambda: rows[:, :HEADER_SIZE], lambda values: _explain_forward(call, values))
+    return (int(total) if read else total), mean, var
 
 
 def report_failure(call: ProcessGroupCall, channels: int, device: torch.device) -> None:
@@ -205,12 +204,11 @@ def all_reduce_sums(sum_dy: Tensor, sum_dy_xmu: Tensor, call: ProcessGroupCall) 
     one float64 row; returned in their dtype. The checks raise alike on every rank when the ranks
     are at the backward of different calls."""
     layer_id, number = float(call.layer_id), float(call.number % LAYER_ID_RANGE)
-    identity = devices.host_values_on([layer_id, layer_id**2, number, number**2], sum_dy.device)
-    row = torch.cat([in_dtype(sum_dy, torch.float64), in_dtype(sum_dy_xmu, torch.float64), identity])
+    row = OVERLOADS.pack_row([layer_id, layer_id**2, number, number**2], sum_dy, sum_dy_xmu)
     dist.all_reduce(row, group=call.group)
     world = dist.get_world_size(call.group)
-    checks.verify(row[-4:], lambda values: _explain_backward(call, world, values))
-    total_dy, total_dy_xmu = in_dtype(row[:-4], sum_dy.dtype).chunk(2)
+    checks.verify(row[:IDENTITY_SIZE], lambda values: _explain_backward(call, world, values))
+    total_dy, total_dy_xmu = in_dtype(row[IDENTITY_SIZE:], sum_dy.dtype).chunk(2)
     return total_dy, total_dy_xmu
 
 

@@ -58,6 +58,8 @@ SCHEMAS = {
         "(Tensor rows, int header, int agreeing, int? flag, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
         "Tensor(c!)? num_batches_tracked, float? momentum) -> (Tensor total, Tensor mean, Tensor var, Tensor valid)"
     ),
+    # the float64 row [head, a, b] that one collective over ranks sends (functions/distributed.py)
+    "pack_row": "(float[] head, Tensor a, Tensor b) -> Tensor",
     "batch_norm_train": (
         "(Tensor x, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
         "Tensor(c!)? num_batches_tracked, float? momentum, float eps, Tensor? residual=None, "
@@ -151,6 +153,11 @@ def _merge_gathered_stats_fake(
     channels = (rows.size(1) - header) // 2
     scalar = rows.new_empty((), dtype=STATS_DTYPE)
     return scalar, rows.new_empty(channels, dtype=STATS_DTYPE), rows.new_empty(channels, dtype=STATS_DTYPE), rows.new_empty((), dtype=torch.bool)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::pack_row")
+def _pack_row_fake(head: list[float], a: Tensor, b: Tensor) -> Tensor:
+    return a.new_empty(len(head) + a.numel() + b.numel(), dtype=STATS_DTYPE)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::batch_norm_train")
@@ -285,7 +292,8 @@ def _batch_norm_train_rule(info, in_dims, *args, **kwargs):
 
 def register_vmap_rules() -> None:
     """A vmap rule for every operator (``update_running_stats`` only runs inside the others;
-    ``merge_gathered_stats`` only on the rows of a collective, which vmap does not cross)."""
+    ``merge_gathered_stats`` and ``pack_row`` only on the rows of a collective, which vmap does
+    not cross)."""
     for name in _VMAP_KINDS:
         torch.library.register_vmap(f"{NAMESPACE}::{name}", _folding_rule(name))
     torch.library.register_vmap(f"{NAMESPACE}::batch_norm_train", _batch_norm_train_rule)

@@ -313,6 +313,22 @@ def merge_gathered_stats(
     return total, mean, var, valid
 
 
+def pack_row(head: list[float], a: Tensor, b: Tensor) -> Tensor:
+    """The float64 row ``[head, a, b]`` on ``a``'s device, ``a`` and ``b`` 1-D floating tensors
+    there: what one collective over ranks sends (:mod:`functions.distributed`). The head is
+    copied from pinned host memory without waiting for a GPU."""
+    if a.dim() != 1 or b.dim() != 1:
+        raise RuntimeError(f"syncbn.pack_row: expected 1-D a and b, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    if not (a.is_floating_point() and b.is_floating_point()):
+        raise RuntimeError(f"syncbn.pack_row: expected floating a and b, got {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise RuntimeError(f"syncbn.pack_row: expected a and b on one device, got {a.device} and {b.device}")
+    host = torch.tensor(head, dtype=STATS_DTYPE)
+    if a.device.type != "cpu":
+        host = host.pin_memory().to(a.device, non_blocking=True)
+    return torch.cat([host, a.to(STATS_DTYPE), b.to(STATS_DTYPE)])
+
+
 def batch_norm_train(
     x: Tensor,
     weight: Tensor | None,

@@ -126,8 +126,8 @@ class Synchronizer:
         on the first part's device, as (mean, biased variance), float64, and the layer's
         ``running`` statistics updated once; :attr:`count` is the total, for the backward.
         Raises when they disagree on channels or dtype, or hold one value per channel between
-        them, before anything is updated; the ranks raise alike (where their checks are read at
-        once: :mod:`functions.checks`; deferred, a failed exchange updates nothing). The count is
+        them, and updates nothing then; the ranks raise alike (at once, or deferred where their
+        checks are: :mod:`functions.checks`). The count is
         an int, or a 0-dim float64 tensor on the device where it comes from a collective whose
         checks are deferred (:func:`functions.distributed.all_gather_stats`)."""
         stats.check_parts_agree(parts, self.layer)

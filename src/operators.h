@@ -71,6 +71,17 @@ void update_running_stats(const std::optional<at::Tensor>& running_mean, const s
 std::tuple<at::Tensor, at::Tensor, at::Tensor> normalization_stats(const at::Tensor& mean, const at::Tensor& m2,
                                                                   int64_t count, double eps, at::ScalarType acc);
 
+// Host numbers (counts, a collective's header) as a float64 vector on `device`, copied from pinned
+// memory without a wait where `device` is not the CPU (the caching host allocator keeps the block
+// until the copy has run).
+at::Tensor host_values_on(c10::ArrayRef<double> values, const at::Device& device);
+
+// The float64 row [head, a, b] on a's device (a and b 1-D floating tensors there): what one
+// collective over ranks sends (functions/distributed.py: a forward's header, mean and M2; a
+// backward's identities, sum_dy and sum_dy_xmu). One call instead of a handful of ATen calls;
+// on the host, one pass.
+at::Tensor pack_row(c10::ArrayRef<double> head, const at::Tensor& a, const at::Tensor& b);
+
 // A lone replica's training forward in one call: local_stats, update_running_stats and
 // elemt_forward. Returns (y, mean, invstd), mean and invstd in the accumulation dtype.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_train(
@@ -99,4 +110,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_train(
     m.impl("merge_gathered_stats", TORCH_FN(NS::merge_gathered_stats));     \
     m.impl("update_running_stats", TORCH_FN(syncbn::update_running_stats)); \
     m.impl("batch_norm_train", TORCH_FN(syncbn::batch_norm_train));         \
+    m.impl("pack_row", TORCH_FN(syncbn::pack_row));                         \
   }

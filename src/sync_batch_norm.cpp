@@ -189,14 +189,6 @@ void check_values_per_channel(const std::vector<StatsPart>& parts, int64_t total
   throw std::invalid_argument(text.str());
 }
 
-// Counts (host numbers) as a float64 vector on `device`, from pinned memory without a wait on a GPU.
-at::Tensor host_values_on(const std::vector<double>& values, const at::Device& device) {
-  const auto options = at::TensorOptions().dtype(at::kDouble);
-  auto host = at::empty({int64_t(values.size())}, device.is_cpu() ? options : options.pinned_memory(true));
-  std::copy(values.begin(), values.end(), host.data_ptr<double>());
-  return device.is_cpu() ? host : host.to(device, /*non_blocking=*/true);
-}
-
 // This process's ranks, as Python holds them (functions.synchronization.Synchronizer), or none.
 // Made with the GIL held (the binding); its calls take the GIL; kept by the backward node and
 // released under the GIL.

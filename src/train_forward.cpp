@@ -5,6 +5,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "operators.h"
@@ -37,7 +38,50 @@ void update_on_host(const at::Tensor& running_mean, const at::Tensor& running_va
   });
 }
 
+// values as a float64 host tensor, in pinned memory where asked.
+at::Tensor host_values(c10::ArrayRef<double> values, bool pinned) {
+  auto host = at::empty({int64_t(values.size())}, at::TensorOptions().dtype(at::kDouble).pinned_memory(pinned));
+  std::copy(values.begin(), values.end(), host.data_ptr<double>());
+  return host;
+}
+
+// t's values (1-D, floating, on the host) converted to double into out.
+void copy_as_double(const at::Tensor& t, double* out) {
+  const auto values = t.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, values.scalar_type(), "syncbn_pack_row", [&] {
+    const scalar_t* in = values.const_data_ptr<scalar_t>();
+    for (int64_t i = 0; i < values.numel(); ++i) out[i] = double(in[i]);
+  });
+}
+
 }  // namespace
+
+at::Tensor host_values_on(c10::ArrayRef<double> values, const at::Device& device) {
+  auto host = host_values(values, /*pinned=*/!device.is_cpu());
+  return device.is_cpu() ? host : host.to(device, /*non_blocking=*/true);
+}
+
+at::Tensor pack_row(c10::ArrayRef<double> head, const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.dim() == 1 && b.dim() == 1, "syncbn.pack_row: expected 1-D a and b, got shapes ", a.sizes(), " and ",
+              b.sizes());
+  TORCH_CHECK(a.is_floating_point() && b.is_floating_point(), "syncbn.pack_row: expected floating a and b, got ",
+              a.scalar_type(), " and ", b.scalar_type());
+  TORCH_CHECK(a.device() == b.device(), "syncbn.pack_row: expected a and b on one device, got ", a.device(), " and ",
+              b.device());
+  const int64_t H = int64_t(head.size()), A = a.numel(), B = b.numel();
+  auto row = at::empty({H + A + B}, a.options().dtype(at::kDouble));
+  if (row.is_cpu()) {
+    double* out = row.data_ptr<double>();
+    std::copy(head.begin(), head.end(), out);
+    copy_as_double(a, out + H);
+    copy_as_double(b, out + H + A);
+    return row;
+  }
+  if (H > 0) row.narrow(0, 0, H).copy_(host_values(head, /*pinned=*/true), /*non_blocking=*/true);
+  row.narrow(0, H, A).copy_(a);
+  row.narrow(0, H + A, B).copy_(b);
+  return row;
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> normalization_stats(const at::Tensor& mean, const at::Tensor& m2,
                                                                   int64_t count, double eps, at::ScalarType acc) {

@@ -280,3 +280,23 @@ def test_the_end_of_a_backward_waits_for_the_forwards_verdicts_behind_older_ones
     with pytest.raises(RuntimeError, match="the forward's verdict"):
         Layer.apply(torch.randn(2, requires_grad=True)).sum().backward()
     assert older.waited and forward.waited and not later.waited  # the backward's own: not waited for
+
+
+def test_a_verdict_judged_on_the_device_is_read_only_where_it_fails(monkeypatch) -> None:
+    # read at once, a passing exchange reads its one flag, never the rows' headers
+    monkeypatch.setenv(checks.CHECKS_ENV, "layer")
+    made: list[bool] = []
+
+    def verdict() -> torch.Tensor:
+        made.append(True)
+        return torch.tensor([[1.0, 2.0]])
+
+    explain = lambda values: RuntimeError(f"ranks disagree: {values}")  # noqa: E731
+    assert checks.verify_judged(torch.tensor(True), verdict, explain) and made == []
+    with pytest.raises(RuntimeError, match=r"ranks disagree: \[\[1.0, 2.0\]\]"):
+        checks.verify_judged(torch.tensor(False), verdict, explain)
+    # deferred, the verdict waits for the end of the step (check_pending here), whatever the flag
+    monkeypatch.setenv(checks.CHECKS_ENV, "step")
+    assert not checks.verify_judged(torch.tensor(True), verdict, explain)
+    with pytest.raises(RuntimeError, match="ranks disagree.*deferred check"):
+        checks.check_pending()

@@ -731,3 +731,21 @@ def test_process_group_without_torch_distributed_raises() -> None:
         layer(torch.randn(4, 3))
     layer.eval()
     assert layer(torch.randn(4, 3)).shape == (4, 3)  # eval with running stats never syncs
+
+
+@pytest.mark.parametrize("count", [float("nan"), 2.5, -5.0])
+def test_malformed_gathered_counts_are_explained_as_the_device_judged_them(count: float) -> None:
+    """Where merge_gathered_stats finds the rows invalid, the explanation read on the host names
+    why, for every reason the device has: here a count no honest rank sends."""
+    from functions import distributed
+    from functions.stats import LocalStats
+
+    call = distributed.ProcessGroupSync().next_call(object(), "SyncBatchNorm2d(2) 'bn'")
+    local = LocalStats(4, torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64), torch.float32, torch.Size([1, 2, 2, 2]))
+    rows = torch.stack([distributed._stats_row(local, call, failed=False)] * 2)
+    rows[1, distributed.HEADER_SIZE - 1] = count
+    *_, valid = torch.ops.syncbn.merge_gathered_stats(rows, distributed.HEADER_SIZE, distributed.DTYPE + 1, distributed.FAILED, None, None, None, None)
+    error = distributed._explain_forward(call, rows[:, : distributed.HEADER_SIZE].tolist())
+    assert not bool(valid)
+    assert isinstance(error, RuntimeError) and "'bn'" in str(error) and "counts are malformed" in str(error)
+    assert distributed._explain_forward(call, rows[:1, : distributed.HEADER_SIZE].tolist()) is None

@@ -364,6 +364,32 @@ def test_merge_gathered_stats_has_the_bits_of_merge_stats_and_update_running_sta
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtypes", [(torch.float64, torch.float64), (torch.float32, torch.float16), (torch.bfloat16, torch.float32)], ids=str)
+@pytest.mark.parametrize("head", [[7.0, 2.0**52 + 1, -0.5, 3], []], ids=["head", "no head"])
+def test_pack_row_matches_reference(device, dtypes, head) -> None:
+    a = torch.randn(5, dtype=torch.float64).to(dtypes[0])
+    b = torch.randn(9, dtype=torch.float64)[::3].to(dtypes[1])  # not contiguous
+    got = OPS.pack_row(head, a.to(device), b.to(device))
+    expected = ref.pack_row(head, a, b)
+    assert got.device.type == device and got.dtype == torch.float64 and got.shape == (len(head) + 5 + 3,)
+    assert torch.equal(got.cpu(), expected)
+    assert expected[: len(head)].tolist() == [float(v) for v in head]
+
+
+@pytest.mark.parametrize("pack_row", [OPS.pack_row, ref.pack_row], ids=["dispatched", "reference"])
+def test_pack_row_refuses_what_is_no_row(pack_row) -> None:
+    with pytest.raises(RuntimeError, match="expected 1-D a and b"):
+        pack_row([1.0], torch.zeros(2, 2), torch.zeros(2))
+    with pytest.raises(RuntimeError, match="expected floating a and b"):
+        pack_row([1.0], torch.zeros(2), torch.zeros(2, dtype=torch.int64))
+    # the dispatcher sends a meta tensor to the fake implementation: only a GPU mixes two real devices
+    other = "cuda" if torch.cuda.is_available() else "meta" if pack_row is ref.pack_row else None
+    if other is not None:
+        with pytest.raises(RuntimeError, match="expected a and b on one device"):
+            pack_row([1.0], torch.zeros(2), torch.zeros(2, device=other))
+
+
 # M2 of float32 data with mean 1e4 and std 1, relative to the truth: the CPU's float lanes fold
 # into double every 16 values, CUDA's threads likewise but over more values per thread
 LARGE_MEAN_M2_RTOL = {"cpu": 1e-6, "cuda": 1e-5}
