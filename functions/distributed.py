@@ -35,7 +35,6 @@ from torch import Tensor
 
 from . import checks
 from .ops import OVERLOADS
-from .reference import in_dtype
 from .stats import LocalStats, Running
 
 SHAPE_DIMS = 8  # input dims carried for error messages; further dims are dropped
@@ -208,8 +207,7 @@ def all_reduce_sums(sum_dy: Tensor, sum_dy_xmu: Tensor, call: ProcessGroupCall) 
     dist.all_reduce(row, group=call.group)
     world = dist.get_world_size(call.group)
     checks.verify(row[:IDENTITY_SIZE], lambda values: _explain_backward(call, world, values))
-    total_dy, total_dy_xmu = in_dtype(row[IDENTITY_SIZE:], sum_dy.dtype).chunk(2)
-    return total_dy, total_dy_xmu
+    return OVERLOADS.unpack_row(row, IDENTITY_SIZE, sum_dy.dtype)
 
 
 def consecutive_rank_groups(group_size: int, timeout: timedelta | None = None) -> Any:

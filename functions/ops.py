@@ -60,6 +60,7 @@ SCHEMAS = {
     ),
     # the float64 row [head, a, b] that one collective over ranks sends (functions/distributed.py)
     "pack_row": "(float[] head, Tensor a, Tensor b) -> Tensor",
+    "unpack_row": "(Tensor row, int head, ScalarType dtype) -> (Tensor a, Tensor b)",
     "batch_norm_train": (
         "(Tensor x, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
         "Tensor(c!)? num_batches_tracked, float? momentum, float eps, Tensor? residual=None, "
@@ -158,6 +159,12 @@ def _merge_gathered_stats_fake(
 @torch.library.register_fake(f"{NAMESPACE}::pack_row")
 def _pack_row_fake(head: list[float], a: Tensor, b: Tensor) -> Tensor:
     return a.new_empty(len(head) + a.numel() + b.numel(), dtype=STATS_DTYPE)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::unpack_row")
+def _unpack_row_fake(row: Tensor, head: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    half = (row.numel() - head) // 2
+    return row.new_empty(half, dtype=dtype), row.new_empty(half, dtype=dtype)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::batch_norm_train")
@@ -292,7 +299,7 @@ def _batch_norm_train_rule(info, in_dims, *args, **kwargs):
 
 def register_vmap_rules() -> None:
     """A vmap rule for every operator (``update_running_stats`` only runs inside the others;
-    ``merge_gathered_stats`` and ``pack_row`` only on the rows of a collective, which vmap does
+    ``merge_gathered_stats``, ``pack_row`` and ``unpack_row`` only on the rows of a collective, which vmap does
     not cross)."""
     for name in _VMAP_KINDS:
         torch.library.register_vmap(f"{NAMESPACE}::{name}", _folding_rule(name))

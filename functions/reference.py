@@ -329,6 +329,19 @@ def pack_row(head: list[float], a: Tensor, b: Tensor) -> Tensor:
     return torch.cat([host, a.to(STATS_DTYPE), b.to(STATS_DTYPE)])
 
 
+def unpack_row(row: Tensor, head: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """:func:`pack_row`'s inverse for two halves: ``row[head:head + C]`` and ``row[head + C:]``
+    (``row`` 1-D float64 of ``head + 2C`` values) as new tensors in ``dtype``."""
+    if row.dim() != 1 or row.dtype != STATS_DTYPE:
+        raise RuntimeError(f"syncbn.unpack_row: expected a 1-D float64 row, got {row.dtype} of shape {tuple(row.shape)}")
+    if not (0 <= head <= row.numel() and (row.numel() - head) % 2 == 0):
+        raise RuntimeError(f"syncbn.unpack_row: expected head ({head}) plus two halves of equal size in a row of {row.numel()}")
+    if not dtype.is_floating_point:
+        raise RuntimeError(f"syncbn.unpack_row: expected a floating dtype, got {dtype}")
+    a, b = row[head:].chunk(2)
+    return a.to(dtype, copy=True), b.to(dtype, copy=True)
+
+
 def batch_norm_train(
     x: Tensor,
     weight: Tensor | None,

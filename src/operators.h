@@ -82,6 +82,10 @@ at::Tensor host_values_on(c10::ArrayRef<double> values, const at::Device& device
 // on the host, one pass.
 at::Tensor pack_row(c10::ArrayRef<double> head, const at::Tensor& a, const at::Tensor& b);
 
+// pack_row's inverse for two halves: row[head:head + C] and row[head + C:] (row 1-D float64 of
+// head + 2C values) as new tensors in `dtype`: the sums that a backward's collective brought.
+std::tuple<at::Tensor, at::Tensor> unpack_row(const at::Tensor& row, int64_t head, at::ScalarType dtype);
+
 // A lone replica's training forward in one call: local_stats, update_running_stats and
 // elemt_forward. Returns (y, mean, invstd), mean and invstd in the accumulation dtype.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_train(
@@ -111,4 +115,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_train(
     m.impl("update_running_stats", TORCH_FN(syncbn::update_running_stats)); \
     m.impl("batch_norm_train", TORCH_FN(syncbn::batch_norm_train));         \
     m.impl("pack_row", TORCH_FN(syncbn::pack_row));                         \
+    m.impl("unpack_row", TORCH_FN(syncbn::unpack_row));                     \
   }

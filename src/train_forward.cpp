@@ -83,6 +83,21 @@ at::Tensor pack_row(c10::ArrayRef<double> head, const at::Tensor& a, const at::T
   return row;
 }
 
+std::tuple<at::Tensor, at::Tensor> unpack_row(const at::Tensor& row, int64_t head, at::ScalarType dtype) {
+  TORCH_CHECK(row.dim() == 1 && row.scalar_type() == at::kDouble, "syncbn.unpack_row: expected a 1-D float64 row, got ",
+              row.scalar_type(), " of shape ", row.sizes());
+  TORCH_CHECK(0 <= head && head <= row.numel() && (row.numel() - head) % 2 == 0, "syncbn.unpack_row: expected head (",
+              head, ") plus two halves of equal size in a row of ", row.numel());
+  TORCH_CHECK(at::isFloatingType(dtype), "syncbn.unpack_row: expected a floating dtype, got ", dtype);
+  const int64_t C = (row.numel() - head) / 2;
+  const auto half = [&](int64_t start) {
+    auto out = at::empty({C}, row.options().dtype(dtype));
+    out.copy_(row.narrow(0, start, C));
+    return out;
+  };
+  return {half(head), half(head + C)};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> normalization_stats(const at::Tensor& mean, const at::Tensor& m2,
                                                                   int64_t count, double eps, at::ScalarType acc) {
   if (!(is_host_vector(mean) && is_host_vector(m2) && mean.scalar_type() == at::kDouble &&

@@ -377,6 +377,30 @@ def test_pack_row_matches_reference(device, dtypes, head) -> None:
     assert expected[: len(head)].tolist() == [float(v) for v in head]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16], ids=str)
+def test_unpack_row_is_pack_rows_inverse(device, dtype) -> None:
+    a, b = torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    row = ref.pack_row([3.0, 9.0], a, b).to(device)
+    got = OPS.unpack_row(row, 2, dtype)
+    expected = ref.unpack_row(row.cpu(), 2, dtype)
+    for g, e, original in zip(got, expected, (a, b)):
+        assert g.device.type == device and g.dtype == dtype and torch.equal(g.cpu(), e)
+        assert torch.equal(e, original.to(dtype))
+    got[0].fill_(0)  # new tensors, not views of the row
+    assert torch.equal(row[2:8].cpu(), a)
+
+
+@pytest.mark.parametrize("unpack_row", [OPS.unpack_row, ref.unpack_row], ids=["dispatched", "reference"])
+def test_unpack_row_refuses_what_is_no_row(unpack_row) -> None:
+    with pytest.raises(RuntimeError, match="expected a 1-D float64 row"):
+        unpack_row(torch.zeros(6), 2, torch.float32)
+    with pytest.raises(RuntimeError, match="two halves of equal size"):
+        unpack_row(torch.zeros(7, dtype=torch.float64), 2, torch.float32)
+    with pytest.raises(RuntimeError, match="expected a floating dtype"):
+        unpack_row(torch.zeros(6, dtype=torch.float64), 2, torch.int32)
+
+
 @pytest.mark.parametrize("pack_row", [OPS.pack_row, ref.pack_row], ids=["dispatched", "reference"])
 def test_pack_row_refuses_what_is_no_row(pack_row) -> None:
     with pytest.raises(RuntimeError, match="expected 1-D a and b"):

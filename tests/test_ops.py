@@ -63,6 +63,8 @@ def operator_calls(x: torch.Tensor) -> list[tuple[str, tuple]]:
         ("merge_gathered_stats", (rows, 4, 2, None, None, None, None, None)),
         ("pack_row", ([7.0, 2.0, 0.0, float(count)], mean, invstd)),
         ("pack_row", ([], channel(dtype=torch.float64), channel(dtype=dtype))),
+        ("unpack_row", (torch.arange(4.0 + 2 * C, dtype=torch.float64, device=device), 4, acc)),
+        ("unpack_row", (torch.arange(2.0 * C, dtype=torch.float64, device=device), 0, dtype)),
         ("batch_norm_train", (x, weight, bias, *stats(), 0.1, 1e-5)),
         ("batch_norm_train", (x, None, None, None, None, None, None, 1e-5, like_x(), 0.0)),
         ("abn_forward_", (like_x(), mean, invstd, -weight, bias, 1e-5, "leaky_relu", 0.01)),
