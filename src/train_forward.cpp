@@ -90,9 +90,15 @@ std::tuple<at::Tensor, at::Tensor> unpack_row(const at::Tensor& row, int64_t hea
               head, ") plus two halves of equal size in a row of ", row.numel());
   TORCH_CHECK(at::isFloatingType(dtype), "syncbn.unpack_row: expected a floating dtype, got ", dtype);
   const int64_t C = (row.numel() - head) / 2;
+  const auto whole = row.is_cpu() ? row.contiguous() : row;
   const auto half = [&](int64_t start) {
     auto out = at::empty({C}, row.options().dtype(dtype));
-    out.copy_(row.narrow(0, start, C));
+    if (!row.is_cpu()) return out.copy_(row.narrow(0, start, C));
+    const double* in = whole.const_data_ptr<double>() + start;  // one pass, no ATen call
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "syncbn_unpack_row", [&] {
+      scalar_t* values = out.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < C; ++i) values[i] = scalar_t(in[i]);
+    });
     return out;
   };
   return {half(head), half(head + C)};
