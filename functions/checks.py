@@ -76,6 +76,7 @@ class _Deferred:
     ready: "torch.cuda.Event | None"
     explain: Explain
     backward: bool  # made in a backward: not waited for at that backward's end
+    valid: Tensor | None = None  # the device's judgement of the verdict (verify_judged), in host memory
 
     def is_ready(self) -> bool:
         return self.ready is None or self.ready.query()
@@ -83,12 +84,14 @@ class _Deferred:
     def read(self) -> BaseException | None:
         if self.ready is not None:
             self.ready.synchronize()  # waits for the GPU up to this verdict only
+        if self.valid is not None and _host_values(self.valid):
+            return None
         error = self.explain(_host_values(self.host))
         return None if error is None else type(error)(f"{error}{DEFERRED_NOTE}")
 
 
-def _host_values(host: Tensor) -> list:
-    """A verdict's values, read from host memory (never from a device)."""
+def _host_values(host: Tensor) -> list | bool:
+    """A verdict's values (or a 0-dim flag's), read from host memory (never from a device)."""
     return host.tolist()
 
 
@@ -113,11 +116,11 @@ def verify(verdict: Tensor, explain: Explain) -> list | None:
 
 def verify_judged(valid: Tensor, verdict: Callable[[], Tensor], explain: Explain) -> bool:
     """:func:`verify` where the device has judged already: ``valid`` (0-dim bool) says whether
-    ``verdict()`` (made on the same device) passes. Read at once, only ``valid`` is read, and the
-    verdict only where it fails, to raise ``explain``'s error; deferred, as :func:`verify`.
+    ``verdict()`` (made on the same device) passes. Read at once, or deferred (as :func:`verify`),
+    only ``valid`` is read, and the verdict only where it fails, to raise ``explain``'s error.
     Returns whether it was read at once (and passed)."""
     if not reads_at_once(valid.device):
-        _defer(verdict(), explain)
+        _defer(verdict(), explain, valid)
         return False
     if not bool(valid):
         values = _host_values(verdict().cpu())
@@ -125,16 +128,19 @@ def verify_judged(valid: Tensor, verdict: Callable[[], Tensor], explain: Explain
     return True
 
 
-def _defer(verdict: Tensor, explain: Explain) -> None:
+def _defer(verdict: Tensor, explain: Explain, valid: Tensor | None = None) -> None:
+    """Keep ``verdict`` (and ``valid``, the device's judgement of it, where given: read first, the
+    verdict is explained only where it fails) to read once the device has made it."""
     in_backward = torch._C._current_graph_task_id() != -1
     if verdict.device.type == "cuda":
         host = verdict.to("cpu", non_blocking=True)  # into pinned memory, without waiting
+        valid = None if valid is None else valid.to("cpu", non_blocking=True)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(verdict.device))
     else:
         host, ready = verdict, None
     with _lock:
-        _pending.append(_Deferred(host, ready, explain, in_backward))
+        _pending.append(_Deferred(host, ready, explain, in_backward, valid))
         overflow = _pending.popleft() if len(_pending) > MAX_PENDING else None
     if overflow is not None:
         _raise_if_failed(overflow)

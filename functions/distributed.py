@@ -25,9 +25,8 @@ never arrives is covered by the collective's own timeout (``init_process_group(t
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -63,12 +62,12 @@ def active_process_group(process_group: Any | None, label: Callable[[], str]) ->
     return process_group if dist.get_world_size(process_group) > 1 else None
 
 
-@dataclass(frozen=True)
-class ProcessGroupCall:
+class ProcessGroupCall(NamedTuple):
     """One synchronized call of a layer across the ranks of ``group``.
 
     ``layer_id`` (a hash of the layer's label) and ``number`` (the layer's count of such
     calls) travel with both collectives so that ranks at different calls are told apart.
+    (A named tuple: one is made per synchronized call, and a frozen dataclass costs more.)
     """
 
     group: Any
@@ -85,12 +84,15 @@ class ProcessGroupSync:
 
     def __init__(self) -> None:
         self._calls = 0
+        self._label, self._layer_id = "", 0  # the last label and its hash
 
     def __reduce__(self):
         return (ProcessGroupSync, ())
 
     def next_call(self, group: Any, layer: str) -> ProcessGroupCall:
-        call = ProcessGroupCall(group, layer, zlib.crc32(layer.encode()) % LAYER_ID_RANGE, self._calls)
+        if layer != self._label:
+            self._label, self._layer_id = layer, zlib.crc32(layer.encode()) % LAYER_ID_RANGE
+        call = ProcessGroupCall(group, layer, self._layer_id, self._calls)
         self._calls += 1
         return call
 

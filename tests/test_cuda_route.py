@@ -295,8 +295,11 @@ def test_a_verdict_judged_on_the_device_is_read_only_where_it_fails(monkeypatch)
     assert checks.verify_judged(torch.tensor(True), verdict, explain) and made == []
     with pytest.raises(RuntimeError, match=r"ranks disagree: \[\[1.0, 2.0\]\]"):
         checks.verify_judged(torch.tensor(False), verdict, explain)
-    # deferred, the verdict waits for the end of the step (check_pending here), whatever the flag
+    # deferred, the flag is read at the end of the step (check_pending here), and the verdict
+    # explained only where the flag fails
     monkeypatch.setenv(checks.CHECKS_ENV, "step")
     assert not checks.verify_judged(torch.tensor(True), verdict, explain)
-    with pytest.raises(RuntimeError, match="ranks disagree.*deferred check"):
+    checks.check_pending()
+    assert not checks.verify_judged(torch.tensor(False), verdict, explain)
+    with pytest.raises(RuntimeError, match=r"ranks disagree: \[\[1.0, 2.0\]\].*deferred check"):
         checks.check_pending()
