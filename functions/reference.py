@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import devices
+
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 accumulates in float64; float32, bfloat16 and float16 in float32."""
@@ -323,10 +325,7 @@ def pack_row(head: list[float], a: Tensor, b: Tensor) -> Tensor:
         raise RuntimeError(f"syncbn.pack_row: expected floating a and b, got {a.dtype} and {b.dtype}")
     if a.device != b.device:
         raise RuntimeError(f"syncbn.pack_row: expected a and b on one device, got {a.device} and {b.device}")
-    host = torch.tensor(head, dtype=STATS_DTYPE)
-    if a.device.type != "cpu":
-        host = host.pin_memory().to(a.device, non_blocking=True)
-    return torch.cat([host, a.to(STATS_DTYPE), b.to(STATS_DTYPE)])
+    return torch.cat([devices.host_values_on(head, a.device), a.to(STATS_DTYPE), b.to(STATS_DTYPE)])
 
 
 def unpack_row(row: Tensor, head: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
