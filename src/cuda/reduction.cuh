@@ -4,6 +4,9 @@
 // merges them, one warp per channel, in a fixed order (deterministic).
 #pragma once
 
+#include <algorithm>
+#include <type_traits>
+
 #include "accumulators.cuh"
 
 namespace syncbn::cuda {
@@ -100,15 +103,22 @@ __global__ void __launch_bounds__(kFinishThreads)
   if (lane == 0) op.finish(c, acc);
 }
 
+// Op::kMaxLanes where Op sets it, else no limit. (A trait, not a C++20 requires-expression:
+// torch before 2.12 builds extensions as C++17.)
+template <typename Op, typename = void>
+struct MaxLanes {
+  static constexpr int value = 1 << 30;
+};
+template <typename Op>
+struct MaxLanes<Op, std::void_t<decltype(Op::kMaxLanes)>> {
+  static constexpr int value = int(Op::kMaxLanes);
+};
+
 // The channels a channels_last thread takes from a pack of V: V, or Op::kMaxLanes where Op
 // sets it (its accumulators for more lanes would not fit in kTileThreads' registers).
 template <typename Op, int V>
 constexpr int lanes_for() {
-  if constexpr (requires { Op::kMaxLanes; }) {
-    return std::min(V, int(Op::kMaxLanes));
-  } else {
-    return V;
-  }
+  return std::min(V, MaxLanes<Op>::value);
 }
 
 template <typename Op, int V>
