@@ -30,6 +30,7 @@ import glob
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -99,7 +100,77 @@ def cpu_extension(capability: str) -> cpp_extension.CppExtension:
         sources=sources("src/bindings.cpp", "src/train_forward.cpp", "src/sync_batch_norm.cpp", "src/cpu/*.cpp"),
         include_dirs=[os.path.join(ROOT, "src")],
         extra_compile_args={"cxx": cpu_compile_args(capability)},
-        extra_link_args=openmp_flags(),
+        extra_link_args=[*openmp_flags(), *cxx_runtime_link_args()],
+    )
+
+
+# ---- the C++ runtime ------------------------------------------------------------------------
+
+
+def loaded_cxx_runtime() -> str | None:
+    """The shared GNU C++ runtime (libstdc++.so.6) that this process, and so torch, has loaded,
+    or None (not Linux, or another runtime)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = [line.split()[-1] for line in maps if len(line.split()) >= 6]
+    except OSError:
+        return None
+    return next((path for path in paths if os.path.basename(path).startswith("libstdc++.so")), None)
+
+
+def cxx_runtime_link_args() -> list[str]:
+    """The extensions link torch's C++ runtime itself, named on the link line.
+
+    A compiler that links libstdc++ statically (``-static-libstdc++``, or a relocated GCC whose
+    own library directory holds only ``libstdc++.a``: seen on a GPU machine whose ``CC`` was
+    such a wrapper) gives each extension a second C++ runtime beside torch's. The two do not
+    share their locale facets, so formatting a number into an error message crashes the process
+    (every ``TORCH_CHECK`` that names a size or count segfaulted). A shared library named before
+    the driver's own ``-lstdc++`` resolves every runtime symbol, and nothing comes from the
+    archive; where the compiler links the shared runtime anyway this changes nothing.
+    """
+    runtime = loaded_cxx_runtime()
+    return [runtime] if runtime else []
+
+
+def cxx_runtime_definitions(path: str) -> list[str]:
+    """The members of ``std::locale`` that the ELF64 little-endian shared object at ``path``
+    defines itself (its dynamic and static symbol tables): only a copy of the C++ runtime linked
+    in defines them; code that uses the shared runtime leaves them undefined. [] for any other
+    file."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return []
+    (section_offset,) = struct.unpack_from("<Q", data, 0x28)
+    entry_size, count = struct.unpack_from("<HH", data, 0x3A)
+    # Elf64_Shdr: name, type, flags, addr, offset, size, link, info, addralign, entsize
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, section_offset + i * entry_size) for i in range(count)]
+    found = set()
+    for _, kind, _, _, offset, size, link, _, _, _ in sections:
+        if kind not in (2, 11):  # SHT_SYMTAB, SHT_DYNSYM
+            continue
+        strings = sections[link][4]
+        # Elf64_Sym: name, info, other, section index (0: undefined), value, size
+        for name, _, _, section, _, _ in struct.iter_unpack("<IBBHQQ", data[offset : offset + size]):
+            start = strings + name
+            if section != 0 and data.startswith(b"_ZNSt6locale", start):
+                found.add(data[start : data.index(b"\0", start)].decode())
+    return sorted(found)
+
+
+def check_cxx_runtime(path: str) -> None:
+    """Raise where the built extension at ``path`` carries its own C++ runtime beside torch's."""
+    runtime = loaded_cxx_runtime()
+    if runtime is None or not cxx_runtime_definitions(path):
+        return
+    raise RuntimeError(
+        f"syncbn: {os.path.basename(path)} carries its own copy of the C++ runtime (the compiler linked "
+        f"libstdc++ statically: CXX={os.environ.get('CXX', 'c++')}, CC={os.environ.get('CC', 'cc')}) beside "
+        f"torch's {runtime}; its error messages would crash the process. Build with a compiler that links "
+        "libstdc++ dynamically (the system's: `env -u CC -u CXX ./make_ext.sh`)."
     )
 
 
@@ -257,6 +328,7 @@ def cuda_extensions() -> list[cpp_extension.CUDAExtension]:
             sources=sources("src/cuda/*.cu", "src/cuda/bindings.cpp", "src/train_forward.cpp"),
             include_dirs=[os.path.join(ROOT, "src")],
             extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
+            extra_link_args=cxx_runtime_link_args(),
         )
     ]
 
@@ -335,13 +407,15 @@ class BuildExtension(cpp_extension.BuildExtension):
     def build_extension(self, ext) -> None:
         self.started = True
         if not getattr(ext, "optional", False):
-            return super().build_extension(ext)
+            super().build_extension(ext)
+            return check_cxx_runtime(self.get_ext_fullpath(ext.name))
         with tempfile.TemporaryFile(mode="w+") as log:
             saved = [os.dup(1), os.dup(2)]
             sys.stdout.flush(), sys.stderr.flush()
             os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
             try:
                 super().build_extension(ext)
+                check_cxx_runtime(self.get_ext_fullpath(ext.name))
                 error = None
             except Exception as caught:  # compiler, linker or setuptools errors alike
                 error = caught

@@ -5,6 +5,7 @@ same failure with the real kernels, and an import from outside the repository, a
 tools/check_build.sh in CI."""
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 import re
@@ -144,6 +145,69 @@ def test_a_failing_optional_extension_leaves_the_others_built(tmp_path) -> None:
     assert "failed to build" in note.read_text()
     imported = subprocess.run([sys.executable, "-c", "import pkg.good"], cwd=tmp_path, capture_output=True, text=True)
     assert imported.returncode == 0, imported.stderr
+
+
+FORMAT_MODULE = textwrap.dedent("""\
+    #include <Python.h>
+    #include <sstream>
+    static PyObject* format(PyObject*, PyObject* arg) {
+      std::ostringstream text;  // a number formatted, as a TORCH_CHECK message does
+      text << PyLong_AsLong(arg);
+      return PyUnicode_FromString(text.str().c_str());
+    }
+    static PyMethodDef methods[] = {{"format", format, METH_O, nullptr}, {nullptr, nullptr, 0, nullptr}};
+    static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "fmt", nullptr, -1, methods};
+    PyMODINIT_FUNC PyInit_fmt(void) { return PyModule_Create(&module); }
+""")
+
+
+@pytest.mark.skipif(setup_py.loaded_cxx_runtime() is None, reason="torch loaded no shared libstdc++ here")
+def test_a_compiler_that_links_the_cxx_runtime_statically_still_links_torchs(tmp_path) -> None:
+    # CC and CXX wrap the system's compilers with -static-libstdc++, as the relocated GCC of a
+    # GPU machine did: our link arguments give the extension torch's shared runtime all the
+    # same, and a build without them fails with the reason instead of crashing at run time
+    for name, compiler in (("cc", "gcc"), ("cxx", "g++")):
+        (tmp_path / name).write_text(f'#!/bin/sh\nexec {compiler} -static-libstdc++ "$@"\n')
+        (tmp_path / name).chmod(0o755)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "fmt.cpp").write_text(FORMAT_MODULE)
+    (tmp_path / "build.py").write_text(textwrap.dedent(f"""\
+        import importlib.util, os, sys
+        from setuptools import setup
+        from torch.utils.cpp_extension import CppExtension
+        spec = importlib.util.spec_from_file_location("syncbn_setup", {os.path.join(ROOT, "setup.py")!r})
+        syncbn_setup = importlib.util.module_from_spec(spec)
+        sys.modules["syncbn_setup"] = syncbn_setup; spec.loader.exec_module(syncbn_setup)
+        link = syncbn_setup.cxx_runtime_link_args() if os.environ.get("LINK_TORCHS_RUNTIME") else []
+        setup(name="pkg", packages=["pkg"], ext_modules=[CppExtension("pkg.fmt", ["fmt.cpp"], extra_link_args=link)],
+              cmdclass={{"build_ext": syncbn_setup.BuildExtension}})
+    """))
+    env = {**os.environ, "CC": str(tmp_path / "cc"), "CXX": str(tmp_path / "cxx")}
+
+    def build(**extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "build.py", "build_ext", "--inplace"], cwd=tmp_path,
+                              env={**env, **extra}, capture_output=True, text=True, timeout=600)
+
+    static = build()
+    assert static.returncode != 0 and "carries its own copy of the C++ runtime" in static.stderr, static.stderr
+    linked = build(LINK_TORCHS_RUNTIME="1")
+    assert linked.returncode == 0, linked.stdout + linked.stderr
+    (built,) = (tmp_path / "pkg").glob("fmt*.so")
+    assert setup_py.cxx_runtime_definitions(str(built)) == []
+    formatted = subprocess.run([sys.executable, "-c", "import torch, pkg.fmt; print(pkg.fmt.format(12345))"],
+                               cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert formatted.stdout.strip() == "12345", formatted.stderr
+
+
+def test_the_built_kernels_use_torchs_cxx_runtime() -> None:
+    if setup_py.loaded_cxx_runtime() is None:
+        pytest.skip("torch loaded no shared libstdc++ here")
+    built = glob.glob(os.path.join(ROOT, "functions", "_C_*.so"))
+    if not built:
+        pytest.skip("the kernels are not built in place")
+    for path in built:
+        assert setup_py.cxx_runtime_definitions(path) == [], path
 
 
 @pytest.mark.parametrize(

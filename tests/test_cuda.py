@@ -37,7 +37,7 @@ DEVICE = "cuda"
 @pytest.fixture(params=["native", "python"])
 def exchange_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Where the replicas meet: natively (src/sync_batch_norm.cpp: device-generic events and
-    record_stream, read but not yet run on a GPU) or through the Python exchange."""
+    record_stream; run on one H200) or through the Python exchange."""
     if request.param == "python":
         monkeypatch.setattr(backend, "NATIVE_ROUNDS", None)
     elif backend.NATIVE_ROUNDS is None:
@@ -59,8 +59,8 @@ def test_ops_run_on_the_current_stream() -> None:
         mean, m2 = OPS.local_stats(x)
     stream.synchronize()
     mean_ref, m2_ref = ref.local_stats(x)
-    torch.testing.assert_close(mean, mean_ref)
-    torch.testing.assert_close(m2, m2_ref)
+    torch.testing.assert_close(mean, mean_ref, **kernel_tests.stats_tolerance(x.dtype))
+    torch.testing.assert_close(m2, m2_ref, **kernel_tests.stats_tolerance(x.dtype))
 
 
 @needs_ops

@@ -190,15 +190,16 @@ std::tuple<at::Tensor, at::Tensor> backward_reduce(const at::Tensor& grad_output
   const auto& [x, dy, l] = std::tie(o.x, o.dy, o.l);
   const auto m = o.channel(mean, "mean");
   if (l.numel() == 0) return {at::zeros_like(mean), at::zeros_like(mean)};
-  auto sums = at::empty({2, l.C}, m.options());
+  // two allocations, not two rows of one: an operator's outputs never alias each other (opcheck)
+  auto sum_dy = at::empty({l.C}, m.options()), sum_dy_xmu = at::empty({l.C}, m.options());
   const auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_cuda_backward_reduce", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const GradSumsOp<scalar_t> op{dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
-                                  m.const_data_ptr<acc_t>(), sums.data_ptr<acc_t>(), sums.data_ptr<acc_t>() + l.C};
+                                  m.const_data_ptr<acc_t>(), sum_dy.data_ptr<acc_t>(), sum_dy_xmu.data_ptr<acc_t>()};
     launch_reduction<scalar_t>(op, l, can_vectorize(l, kVec<scalar_t>, {op.dy, op.x}), x.options(), stream);
   });
-  return {sums[0].to(mean.scalar_type()), sums[1].to(mean.scalar_type())};
+  return {sum_dy.to(mean.scalar_type()), sum_dy_xmu.to(mean.scalar_type())};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_affine_act(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
@@ -215,11 +216,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_affine_act(c
   if (input_grad) dx = at::empty_like(x);
   // without an activation g is dy (a copy: an operator's output never aliases its input)
   if (residual_grad) g = act ? at::empty_like(x) : dy.clone();
-  at::Tensor out_sums;
-  if (sums) {
-    out_sums = at::zeros({2, l.C}, m.options());
-    sum_g = out_sums[0];
-    sum_g_xmu = out_sums[1];
+  if (sums) {  // two allocations: the outputs never alias each other
+    sum_g = at::zeros({l.C}, m.options());
+    sum_g_xmu = at::zeros({l.C}, m.options());
   }
   const bool writes = input_grad || (residual_grad && act);
   if (l.numel() == 0 || (!writes && !sums)) {
@@ -240,8 +239,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_affine_act(c
                              l.C,
                              acc_t(negative_slope.value_or(0.0)),
                              act,
-                             sums ? out_sums.data_ptr<acc_t>() : nullptr,
-                             sums ? out_sums.data_ptr<acc_t>() + l.C : nullptr};
+                             sums ? sum_g->data_ptr<acc_t>() : nullptr,
+                             sums ? sum_g_xmu->data_ptr<acc_t>() : nullptr};
     const bool vectorize = can_vectorize(l, kVec<scalar_t>, {op.dy, op.x, op.residual, op.dx, op.g_out});
     if (sums) {
       launch_reduction<scalar_t>(op, l, vectorize, x.options(), stream);
