@@ -74,6 +74,7 @@ class ProcessGroupCall(NamedTuple):
     layer: str
     layer_id: int
     number: int
+    world: int  # the group's size
 
 
 class ProcessGroupSync:
@@ -85,6 +86,7 @@ class ProcessGroupSync:
     def __init__(self) -> None:
         self._calls = 0
         self._label, self._layer_id = "", 0  # the last label and its hash
+        self._group, self._world = None, 0  # the last group and its size
 
     def __reduce__(self):
         return (ProcessGroupSync, ())
@@ -92,9 +94,15 @@ class ProcessGroupSync:
     def next_call(self, group: Any, layer: str) -> ProcessGroupCall:
         if layer != self._label:
             self._label, self._layer_id = layer, zlib.crc32(layer.encode()) % LAYER_ID_RANGE
-        call = ProcessGroupCall(group, layer, self._layer_id, self._calls)
+        if group is not self._group:
+            self._group, self._world = group, dist.get_world_size(group)
+        call = ProcessGroupCall(group, layer, self._layer_id, self._calls, self._world)
         self._calls += 1
         return call
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else -1
 
 
 def _stats_row(local: LocalStats, call: ProcessGroupCall, failed: bool) -> Tensor:
@@ -102,7 +110,7 @@ def _stats_row(local: LocalStats, call: ProcessGroupCall, failed: bool) -> Tenso
     header = [
         call.layer_id,
         call.number % LAYER_ID_RANGE,
-        _DTYPES.index(local.input_dtype) if local.input_dtype in _DTYPES else -1,
+        _dtype_code(local.input_dtype),
         float(failed),
         len(local.input_shape),
         *shape,
@@ -124,6 +132,16 @@ def _all_gather_rows(row: Tensor, group: Any) -> Tensor:
     parts = [torch.empty_like(row) for _ in range(world)]
     dist.all_gather(parts, row, group=group)
     return torch.stack(parts)
+
+
+def all_gather_rows(row: Tensor, call: ProcessGroupCall) -> Tensor:
+    """(world, len(row)): every rank's ``row`` of this call (the native path's all_gather)."""
+    return _all_gather_rows(row, call.group)
+
+
+def all_reduce_row(row: Tensor, call: ProcessGroupCall) -> None:
+    """``row`` summed over the ranks of this call, in place (the native path's all_reduce)."""
+    dist.all_reduce(row, group=call.group)
 
 
 def _explain_forward(call: ProcessGroupCall, heads: list[list[float]]) -> BaseException | None:
@@ -175,8 +193,14 @@ def all_gather_stats(local: LocalStats, call: ProcessGroupCall, running: Running
     rows = _all_gather_rows(_stats_row(local, call, failed=False), call.group)
     # rows that fail the checks update nothing; read at once, the headers are read only then
     total, mean, var, valid = OVERLOADS.merge_gathered_stats(rows, HEADER_SIZE, DTYPE + 1, FAILED, *running)
-    read = checks.verify_judged(valid, lambda: rows[:, :HEADER_SIZE], lambda values: _explain_forward(call, values))
+    read = judge_gathered(call, valid, rows)
     return (int(total) if read else total), mean, var
+
+
+def judge_gathered(call: ProcessGroupCall, valid: Tensor, rows: Tensor) -> bool:
+    """Check the gathered ``rows`` that ``merge_gathered_stats`` judged ``valid``: at once or
+    deferred (:func:`functions.checks.verify_judged`, whose result this returns)."""
+    return checks.verify_judged(valid, lambda: rows[:, :HEADER_SIZE], lambda values: _explain_forward(call, values))
 
 
 def report_failure(call: ProcessGroupCall, channels: int, device: torch.device) -> None:
@@ -207,9 +231,28 @@ def all_reduce_sums(sum_dy: Tensor, sum_dy_xmu: Tensor, call: ProcessGroupCall) 
     layer_id, number = float(call.layer_id), float(call.number % LAYER_ID_RANGE)
     row = OVERLOADS.pack_row([layer_id, layer_id**2, number, number**2], sum_dy, sum_dy_xmu)
     dist.all_reduce(row, group=call.group)
-    world = dist.get_world_size(call.group)
-    checks.verify(row[:IDENTITY_SIZE], lambda values: _explain_backward(call, world, values))
+    judge_summed(call, row)
     return OVERLOADS.unpack_row(row, IDENTITY_SIZE, sum_dy.dtype)
+
+
+def judge_summed(call: ProcessGroupCall, row: Tensor) -> None:
+    """Check the summed identities that lead the backward's ``row``: at once or deferred
+    (:func:`functions.checks.verify`)."""
+    checks.verify(row[:IDENTITY_SIZE], lambda values: _explain_backward(call, call.world, values))
+
+
+def native_ranks(call: ProcessGroupCall, dtype: torch.dtype, device: torch.device) -> tuple:
+    """What the native path (src/sync_batch_norm.cpp, ``Ranks``) needs of a call to build its
+    rows and judge them itself: (layer id, call number, dtype code, world size, whether the checks
+    are read at once on ``device``). The row layout is this module's (``row_layout()``)."""
+    number = call.number % LAYER_ID_RANGE
+    return float(call.layer_id), float(number), float(_dtype_code(dtype)), call.world, checks.reads_at_once(device)
+
+
+def row_layout() -> tuple[int, int, int, int, int]:
+    """The rows' layout as the native path takes it, once: (header size, agreeing columns, the
+    failed flag's column, shape dims, identity size)."""
+    return HEADER_SIZE, DTYPE + 1, FAILED, SHAPE_DIMS, IDENTITY_SIZE
 
 
 def consecutive_rank_groups(group_size: int, timeout: timedelta | None = None) -> Any:

@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.autograd.function import Function
 from torch.nn import functional as F
 
-from . import backend, checks, devices, reference  # noqa: F401  (backend: registers the kernels)
+from . import backend, checks, devices, distributed, reference  # noqa: F401  (backend: registers the kernels)
 from .ops import OVERLOADS
 from .reference import in_dtype, memory_format_of, values_per_channel
 from .replicas import ReplicaSyncError
@@ -345,6 +345,10 @@ def global_sums(
     return total_dy, total_dy_xmu, count, ready
 
 
+if backend.NATIVE_ROUNDS is not None:  # the rows' layout, once: the native path builds them too
+    backend.NATIVE_ROUNDS.set_row_layout(*distributed.row_layout())
+
+
 def native_serves() -> bool:
     """Whether :func:`native_sync_batch_norm` serves the synchronized calls: the compiled module is
     loaded (:data:`functions.backend.NATIVE_ROUNDS`) and no torch.func transform is active (they
@@ -369,17 +373,17 @@ def native_sync_batch_norm(
 ) -> Tensor:
     """:func:`sync_batch_norm` with ``sync``, in one native call per replica and direction
     (src/sync_batch_norm.cpp): the replica computes its statistics, posts them to its round and
-    waits without the GIL; the master merges them (and, with a process group, calls back
-    :meth:`~functions.synchronization.Synchronizer.merge_with_ranks` for the all_gather and the
-    running statistics); each replica normalizes its own input. The backward is a C++ autograd
-    node that meets again (the ranks' all_reduce through
-    :meth:`~functions.synchronization.Synchronizer.sum_with_ranks`). Same arguments, results,
+    waits without the GIL; the master merges them (and, with a process group, builds the row,
+    calls back :meth:`~functions.synchronization.Synchronizer.gather_rows` for the all_gather
+    and merges the ranks' rows with the running statistics' update); each replica normalizes
+    its own input. The backward is a C++ autograd node that meets again (the ranks' all_reduce
+    through :meth:`~functions.synchronization.Synchronizer.reduce_row`). Same arguments, results,
     errors and timeouts as :func:`sync_batch_norm`; raises :class:`~functions.ReplicaSyncError`
     where the replicas' round broke."""
     call = sync.replica_call
     ranks = None
-    if sync.process_call is not None:  # what merge_with_ranks needs besides its arguments
-        sync.input_dtype, sync.running = input.dtype, (running_mean, running_var, num_batches_tracked, momentum)
+    if sync.process_call is not None:  # what the native Ranks needs of the call
+        sync.native = distributed.native_ranks(sync.process_call, input.dtype, input.device)
         ranks = sync
     try:
         return backend.NATIVE_ROUNDS.sync_batch_norm(  # type: ignore[union-attr]

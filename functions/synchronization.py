@@ -4,8 +4,10 @@ rounds, streams, fences, collectives, failure reporting and aborts.
 The layer builds a :class:`Synchronizer` for each call that syncs (training with more than one
 replica in the process, or a process group of more than one rank). On the native path
 (src/sync_batch_norm.cpp, where the compiled module is loaded) the replicas meet in C++, and the
-process master calls back :meth:`Synchronizer.merge_with_ranks` and
-:meth:`Synchronizer.sum_with_ranks` for the collectives. On the Python path the autograd Function
+process master builds, merges and judges the collectives' rows itself, calling back only for the
+collectives (:meth:`Synchronizer.gather_rows`, :meth:`Synchronizer.reduce_row`) and, where a
+verdict is deferred or fails, for the checks (:meth:`Synchronizer.judge_gathered`,
+:meth:`Synchronizer.judge_summed`). On the Python path the autograd Function
 meets the other replicas once per direction, with :meth:`Synchronizer.on_master`: each replica posts
 its part of the call (its tensors, and the stream it runs on) to its round
 (:mod:`functions.replicas`) and waits; the master replica (index 0) does the whole call for every
@@ -43,7 +45,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 from torch import Tensor
 
-from . import checks, devices, reference, stats
+from . import checks, devices, distributed, reference, stats
 from .distributed import ProcessGroupCall, ProcessGroupSync, all_gather_stats, all_reduce_sums, report_failure
 from .replicas import ReplicaCall, ReplicaHandle
 from .stats import LocalStats, Running, update_running_stats
@@ -73,9 +75,7 @@ class Synchronizer:
         self.channels, self.device = channels, device
         self.count: int | Tensor | None = None
         self._joined_collective = False
-        # the native path's process master: what merge_with_ranks needs besides its arguments
-        self.input_dtype: torch.dtype | None = None
-        self.running: Running = (None, None, None, None)
+        self.native: tuple | None = None  # the native path's process master: distributed.native_ranks
 
     @classmethod
     def for_call(
@@ -146,17 +146,29 @@ class Synchronizer:
             return sum_dy, sum_dy_xmu
         return all_reduce_sums(sum_dy, sum_dy_xmu, self.process_call)
 
-    def merge_with_ranks(self, count: int, mean: Tensor, m2: Tensor, sizes: list[int]) -> tuple[Tensor, Tensor]:
-        """On the process master, called by the native path (src/sync_batch_norm.cpp) with this
-        process's (count, mean, M2) of an input of ``sizes`` (its replicas' merged): the mean
-        and biased variance over every rank, the running statistics updated (``running``, set
-        by :func:`functions.sync_batchnorm.native_sync_batch_norm`); the total count stays
-        here, for :meth:`sum_with_ranks`."""
-        return self._gather_over_ranks(LocalStats(count, mean, m2, self.input_dtype, torch.Size(sizes)), self.running)
+    def gather_rows(self, row: Tensor) -> Tensor:
+        """The native path's all_gather of this process's ``row`` (built by the caller): every
+        rank's, (world, len(row)). A deferred failure found first raises before joining, as
+        :meth:`_gather_over_ranks`."""
+        checks.poll()
+        self._joined_collective = True
+        return distributed.all_gather_rows(row, self.process_call)
+
+    def judge_gathered(self, valid: Tensor, rows: Tensor) -> None:
+        """The native path's forward checks where they are deferred, or fail (``valid`` false):
+        raises then, as the Python path does (:func:`functions.distributed.judge_gathered`)."""
+        distributed.judge_gathered(self.process_call, valid, rows)
+
+    def reduce_row(self, row: Tensor) -> None:
+        """The native path's all_reduce of its backward ``row``, in place."""
+        distributed.all_reduce_row(row, self.process_call)
+
+    def judge_summed(self, row: Tensor) -> None:
+        """The native path's backward checks where they are deferred, or fail."""
+        distributed.judge_summed(self.process_call, row)
 
     def sum_with_ranks(self, sum_dy: Tensor, sum_dy_xmu: Tensor) -> tuple[Tensor, Tensor, int]:
-        """On the master (the native path's backward, and the Python path's): the process's sums
-        over every rank, as backward_elemt takes them with the count returned (divided by the
+        """On the master (the Python path's backward): the process's sums over every rank, as backward_elemt takes them with the count returned (divided by the
         count here where it is a device tensor: deferred checks)."""
         total_dy, total_dy_xmu = self.sum_over_ranks(sum_dy, sum_dy_xmu)
         assert self.count is not None

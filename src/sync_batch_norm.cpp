@@ -3,10 +3,11 @@
 // replica's statistics, posts them to its ReplicaRound (src/replica_round.h; none: the only
 // replica of its process) and waits; the master's merge (run by the replica that arrives last,
 // on the master's stream: src/replica_round.h) merges every replica's, and, with a process
-// group, hands the process's part to Python (Synchronizer.merge_with_ranks: the all_gather, its
-// checks, the running statistics), else updates the running statistics itself; it publishes mean
+// group, merges the process's part with the other ranks' (Ranks: the row, the merge of the
+// gathered rows with the running statistics' update and the checks here; the all_gather through
+// Synchronizer.gather_rows), else updates the running statistics itself; it publishes mean
 // and invstd, and each replica normalizes its own input. The backward node does the same with
-// the (sum_dy, sum_dy_xmu) sums (Synchronizer.sum_with_ranks: the all_reduce). Each replica's
+// the (sum_dy, sum_dy_xmu) sums (the all_reduce through Synchronizer.reduce_row). Each replica's
 // kernels run in its own thread, on its own stream, in parallel; only the merge is the master's work.
 // The math is functions/sync_batchnorm.py's (the Python path, which serves without this module;
 // there the master does every replica's work, since a Python thread pays for each call into
@@ -73,6 +74,14 @@ struct Operators {
           op<AffineActGrads(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const OptTensor&, const OptTensor&, const OptTensor&, std::optional<double>, bool, bool,
                             bool)>("syncbn::backward_affine_act");
+  c10::TypedOperatorHandle<at::Tensor(c10::ArrayRef<double>, const at::Tensor&, const at::Tensor&)> pack_row =
+      op<at::Tensor(c10::ArrayRef<double>, const at::Tensor&, const at::Tensor&)>("syncbn::pack_row");
+  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, int64_t, at::ScalarType)> unpack_row =
+      op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, int64_t, at::ScalarType)>("syncbn::unpack_row");
+  using MergeGathered = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, int64_t, int64_t, std::optional<int64_t>, const OptTensor&, const OptTensor&, const OptTensor&,
+      std::optional<double>);
+  c10::TypedOperatorHandle<MergeGathered> merge_gathered_stats = op<MergeGathered>("syncbn::merge_gathered_stats");
 };
 
 const Operators& ops() {
@@ -189,12 +198,34 @@ void check_values_per_channel(const std::vector<StatsPart>& parts, int64_t total
   throw std::invalid_argument(text.str());
 }
 
+// The collectives' rows (functions/distributed.py, which sets this once: set_row_layout).
+struct RowLayout {
+  int64_t header = 0, agreeing = 0, failed = 0, shape_dims = 0, identities = 0;
+};
+
+RowLayout& row_layout() {
+  static RowLayout layout;
+  return layout;
+}
+
 // This process's ranks, as Python holds them (functions.synchronization.Synchronizer), or none.
-// Made with the GIL held (the binding); its calls take the GIL; kept by the backward node and
+// The rows are built, merged, unpacked and (read at once, where they pass) judged here; Python is
+// called for the collectives alone, and for the checks where they are deferred or fail. Made
+// with the GIL held (the binding), which reads the call's identity (Synchronizer.native:
+// functions.distributed.native_ranks); its calls take the GIL; kept by the backward node and
 // released under the GIL.
 class Ranks {
  public:
-  explicit Ranks(PyObject* sync) : sync_(sync) { Py_XINCREF(sync_); }
+  explicit Ranks(PyObject* sync) : sync_(sync) {
+    if (!sync_) return;
+    Py_INCREF(sync_);
+    const auto native = pybind11::reinterpret_borrow<pybind11::object>(sync_).attr("native").cast<pybind11::tuple>();
+    layer_id_ = native[0].cast<double>();
+    number_ = native[1].cast<double>();
+    dtype_code_ = native[2].cast<double>();
+    world_ = native[3].cast<int64_t>();
+    reads_at_once_ = native[4].cast<bool>();
+  }
   Ranks(const Ranks&) = delete;
   Ranks& operator=(const Ranks&) = delete;
   ~Ranks() {
@@ -205,23 +236,75 @@ class Ranks {
   }
   explicit operator bool() const { return sync_ != nullptr; }
 
-  // (mean, var) over every rank, from this process's (count, mean, M2); the running statistics updated.
+  // (mean, var) over every rank, from this process's (count, mean, M2) of an input of `sizes`:
+  // one all_gather of the row [header, mean, M2], the rows merged in rank order with the running
+  // statistics' update (where they pass the checks: merge_gathered_stats), as
+  // functions.distributed.all_gather_stats does.
   std::tuple<at::Tensor, at::Tensor> merge(int64_t count, const at::Tensor& mean, const at::Tensor& m2,
-                                           const std::vector<int64_t>& sizes) const {
-    pybind11::gil_scoped_acquire gil;
-    const auto result = pybind11::reinterpret_borrow<pybind11::object>(sync_).attr("merge_with_ranks")(count, mean, m2, sizes);
-    return result.cast<std::tuple<at::Tensor, at::Tensor>>();
+                                           const std::vector<int64_t>& sizes, const MasterCall& call) {
+    const auto& layout = row_layout();
+    std::vector<double> head{layer_id_, number_, dtype_code_, 0.0, double(sizes.size())};
+    for (int64_t d = 0; d < layout.shape_dims; ++d) head.push_back(d < int64_t(sizes.size()) ? double(sizes[d]) : 0.0);
+    head.push_back(double(count));
+    const auto row = ops().pack_row.call(head, mean, m2);
+    at::Tensor rows;
+    {
+      pybind11::gil_scoped_acquire gil;
+      rows = python().attr("gather_rows")(row).cast<at::Tensor>();
+    }
+    auto [total, merged_mean, var, valid] =
+        ops().merge_gathered_stats.call(rows, layout.header, layout.agreeing, layout.failed, call.running_mean,
+                                        call.running_var, call.num_batches_tracked, call.momentum);
+    if (!reads_at_once_ || !valid.item<bool>()) {  // deferred, or failed: Python explains (and raises)
+      pybind11::gil_scoped_acquire gil;
+      python().attr("judge_gathered")(valid, rows);
+    }
+    if (reads_at_once_) {
+      count_ = int64_t(total.item<double>());
+    } else {
+      device_count_ = total;  // never read on the host: the backward divides by it on the device
+    }
+    return {merged_mean, var};
   }
 
-  // (sum_dy, sum_dy_xmu, count) over every rank, as backward_elemt takes them.
+  // (sum_dy, sum_dy_xmu, count) over every rank, as backward_elemt takes them: one all_reduce of
+  // the row [id, id^2, n, n^2, sum_dy, sum_dy_xmu], as functions.distributed.all_reduce_sums.
   std::tuple<at::Tensor, at::Tensor, int64_t> sum(const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu) const {
-    pybind11::gil_scoped_acquire gil;
-    const auto result = pybind11::reinterpret_borrow<pybind11::object>(sync_).attr("sum_with_ranks")(sum_dy, sum_dy_xmu);
-    return result.cast<std::tuple<at::Tensor, at::Tensor, int64_t>>();
+    const std::vector<double> identities{layer_id_, layer_id_ * layer_id_, number_, number_ * number_};
+    const auto row = ops().pack_row.call(identities, sum_dy, sum_dy_xmu);
+    {
+      pybind11::gil_scoped_acquire gil;
+      python().attr("reduce_row")(row);
+    }
+    if (!reads_at_once_ || !identities_agree(row)) {
+      pybind11::gil_scoped_acquire gil;
+      python().attr("judge_summed")(row);
+    }
+    auto [total_dy, total_dy_xmu] = ops().unpack_row.call(row, row_layout().identities, sum_dy.scalar_type());
+    if (device_count_.defined()) {  // functions.reference.sums_per_value: the kernel divides by 1
+      return {total_dy / device_count_, total_dy_xmu / device_count_, 1};
+    }
+    return {total_dy, total_dy_xmu, count_};
   }
 
  private:
+  pybind11::object python() const { return pybind11::reinterpret_borrow<pybind11::object>(sync_); }
+
+  // The ranks are at the same call of the same layer iff world * sum(v^2) == sum(v)^2 for the
+  // layer id and the call number (functions.distributed._explain_backward); read at once.
+  bool identities_agree(const at::Tensor& row) const {
+    const auto summed = row.narrow(0, 0, 4).cpu();
+    const double* v = summed.const_data_ptr<double>();
+    const double world = double(world_);
+    return world * v[1] == v[0] * v[0] && world * v[3] == v[2] * v[2];
+  }
+
   PyObject* sync_;
+  double layer_id_ = 0, number_ = 0, dtype_code_ = -1;
+  int64_t world_ = 1;
+  bool reads_at_once_ = true;
+  int64_t count_ = -1;       // the global count, where the checks are read at once
+  at::Tensor device_count_;  // else the total as a 0-dim float64 on the collective's device
 };
 
 // merge_replicas where every part is on the host and no ranks take part: Chan's merge and the
@@ -245,7 +328,7 @@ Normalization merge_on_host(const std::vector<StatsPart>& parts, const std::vect
 // On the master: the replicas' statistics merged (Chan's formula, in replica order) and, with
 // ranks, over every rank; the running statistics updated once; mean and invstd as the
 // elementwise kernels take them.
-Normalization merge_replicas(std::vector<StatsPart>& parts, const MasterCall& call, const Ranks& ranks) {
+Normalization merge_replicas(std::vector<StatsPart>& parts, const MasterCall& call, Ranks& ranks) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   check_parts_agree(parts, call.layer);
   const auto device = parts[0].mean.device();
@@ -268,7 +351,7 @@ Normalization merge_replicas(std::vector<StatsPart>& parts, const MasterCall& ca
   if (on_host && !ranks && total > 0) return merge_on_host(parts, counts, call, total, acc);
   at::Tensor mean, var;
   if (parts.size() == 1 && ranks) {
-    std::tie(mean, var) = ranks.merge(total, means[0], m2s[0], parts[0].sizes);
+    std::tie(mean, var) = ranks.merge(total, means[0], m2s[0], parts[0].sizes, call);
   } else {
     if (total == 0) {
       mean = at::zeros_like(means[0]);
@@ -279,7 +362,7 @@ Normalization merge_replicas(std::vector<StatsPart>& parts, const MasterCall& ca
     if (ranks) {  // the process's part, as one input of the replicas' batches together
       auto sizes = parts[0].sizes;
       for (size_t i = 1; i < parts.size(); ++i) sizes[0] += parts[i].sizes[0];
-      std::tie(mean, var) = ranks.merge(total, mean, var * double(total), sizes);
+      std::tie(mean, var) = ranks.merge(total, mean, var * double(total), sizes, call);
     } else {
       update_running_stats(call.running_mean, call.running_var, call.num_batches_tracked, call.momentum, mean, var,
                            total);
@@ -611,6 +694,12 @@ void bind_sync_batch_norm(pybind11::module_& m) {
            py::arg("layer"), py::arg("number"), py::arg("spin_us"))
       .def_property_readonly("size", &ReplicaRound::size)
       .def("abort", &ReplicaRound::abort, py::arg("reason"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "set_row_layout",
+      [](int64_t header, int64_t agreeing, int64_t failed, int64_t shape_dims, int64_t identities) {
+        row_layout() = RowLayout{header, agreeing, failed, shape_dims, identities};
+      },
+      "The collectives' row layout (functions.distributed.row_layout), set once at import");
   m.def("set_replica_sync_error", [](py::object type) {
     replica_sync_error = type.release().ptr();  // kept for the life of the process
   });
