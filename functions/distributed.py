@@ -74,7 +74,6 @@ class ProcessGroupCall(NamedTuple):
     layer: str
     layer_id: int
     number: int
-    world: int  # the group's size
 
 
 class ProcessGroupSync:
@@ -86,7 +85,6 @@ class ProcessGroupSync:
     def __init__(self) -> None:
         self._calls = 0
         self._label, self._layer_id = "", 0  # the last label and its hash
-        self._group, self._world = None, 0  # the last group and its size
 
     def __reduce__(self):
         return (ProcessGroupSync, ())
@@ -94,9 +92,8 @@ class ProcessGroupSync:
     def next_call(self, group: Any, layer: str) -> ProcessGroupCall:
         if layer != self._label:
             self._label, self._layer_id = layer, zlib.crc32(layer.encode()) % LAYER_ID_RANGE
-        if group is not self._group:
-            self._group, self._world = group, dist.get_world_size(group)
-        call = ProcessGroupCall(group, layer, self._layer_id, self._calls, self._world)
+        # no reference to the group is kept: destroy_process_group must be able to free it
+        call = ProcessGroupCall(group, layer, self._layer_id, self._calls)
         self._calls += 1
         return call
 
@@ -238,7 +235,7 @@ def all_reduce_sums(sum_dy: Tensor, sum_dy_xmu: Tensor, call: ProcessGroupCall) 
 def judge_summed(call: ProcessGroupCall, row: Tensor) -> None:
     """Check the summed identities that lead the backward's ``row``: at once or deferred
     (:func:`functions.checks.verify`)."""
-    checks.verify(row[:IDENTITY_SIZE], lambda values: _explain_backward(call, call.world, values))
+    checks.verify(row[:IDENTITY_SIZE], lambda values: _explain_backward(call, dist.get_world_size(call.group), values))
 
 
 def native_ranks(call: ProcessGroupCall, dtype: torch.dtype, device: torch.device) -> tuple:
@@ -246,7 +243,8 @@ def native_ranks(call: ProcessGroupCall, dtype: torch.dtype, device: torch.devic
     rows and judge them itself: (layer id, call number, dtype code, world size, whether the checks
     are read at once on ``device``). The row layout is this module's (``row_layout()``)."""
     number = call.number % LAYER_ID_RANGE
-    return float(call.layer_id), float(number), float(_dtype_code(dtype)), call.world, checks.reads_at_once(device)
+    world = dist.get_world_size(call.group)
+    return float(call.layer_id), float(number), float(_dtype_code(dtype)), world, checks.reads_at_once(device)
 
 
 def row_layout() -> tuple[int, int, int, int, int]:

@@ -740,7 +740,7 @@ def test_malformed_gathered_counts_are_explained_as_the_device_judged_them(count
     from functions import distributed
     from functions.stats import LocalStats
 
-    call = distributed.ProcessGroupCall(object(), "SyncBatchNorm2d(2) 'bn'", layer_id=12345, number=0, world=2)
+    call = distributed.ProcessGroupCall(object(), "SyncBatchNorm2d(2) 'bn'", layer_id=12345, number=0)
     local = LocalStats(4, torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64), torch.float32, torch.Size([1, 2, 2, 2]))
     rows = torch.stack([distributed._stats_row(local, call, failed=False)] * 2)
     rows[1, distributed.HEADER_SIZE - 1] = count

@@ -20,12 +20,6 @@ from helpers import run_threads
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def stub_groups_have_two_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The stub groups (plain objects) of these tests: a world of two to torch.distributed."""
-    monkeypatch.setattr(synchronization.distributed.dist, "get_world_size", lambda group=None: 2)
-
-
 def handles(count: int, timeout: float = 10.0) -> list[ReplicaHandle]:
     round = ReplicaRound("layer", 1, timeout)
     for _ in range(count):
