@@ -132,12 +132,12 @@ def _all_gather_rows(row: Tensor, group: Any) -> Tensor:
 
 
 def all_gather_rows(row: Tensor, call: ProcessGroupCall) -> Tensor:
-    """(world, len(row)): every rank's ``row`` of this call (the native path's all_gather)."""
+    """(world, len(row)): every rank's ``row`` of this call (the forward's all_gather, on both paths)."""
     return _all_gather_rows(row, call.group)
 
 
 def all_reduce_row(row: Tensor, call: ProcessGroupCall) -> None:
-    """``row`` summed over the ranks of this call, in place (the native path's all_reduce)."""
+    """``row`` summed over the ranks of this call, in place (the backward's all_reduce, on both paths)."""
     dist.all_reduce(row, group=call.group)
 
 
@@ -187,7 +187,7 @@ def all_gather_stats(local: LocalStats, call: ProcessGroupCall, running: Running
     way the failed exchange updated nothing (``merge_gathered_stats`` judges the rows on the
     device; read at once, only its verdict is read where the rows pass).
     """
-    rows = _all_gather_rows(_stats_row(local, call, failed=False), call.group)
+    rows = all_gather_rows(_stats_row(local, call, failed=False), call)
     # rows that fail the checks update nothing; read at once, the headers are read only then
     total, mean, var, valid = OVERLOADS.merge_gathered_stats(rows, HEADER_SIZE, DTYPE + 1, FAILED, *running)
     read = judge_gathered(call, valid, rows)
@@ -205,7 +205,7 @@ def report_failure(call: ProcessGroupCall, channels: int, device: torch.device) 
     input), so that the other ranks raise at once instead of waiting for the timeout."""
     zeros = torch.zeros(channels, dtype=torch.float64, device=device)
     failed = LocalStats(0, zeros, zeros, torch.float64, torch.Size())
-    _all_gather_rows(_stats_row(failed, call, failed=True), call.group)
+    all_gather_rows(_stats_row(failed, call, failed=True), call)
 
 
 def _explain_backward(call: ProcessGroupCall, world: int, identity_sums: list[float]) -> BaseException | None:
@@ -227,7 +227,7 @@ def all_reduce_sums(sum_dy: Tensor, sum_dy_xmu: Tensor, call: ProcessGroupCall) 
     are at the backward of different calls."""
     layer_id, number = float(call.layer_id), float(call.number % LAYER_ID_RANGE)
     row = OVERLOADS.pack_row([layer_id, layer_id**2, number, number**2], sum_dy, sum_dy_xmu)
-    dist.all_reduce(row, group=call.group)
+    all_reduce_row(row, call)
     judge_summed(call, row)
     return OVERLOADS.unpack_row(row, IDENTITY_SIZE, sum_dy.dtype)
 

@@ -168,8 +168,9 @@ class Synchronizer:
         distributed.judge_summed(self.process_call, row)
 
     def sum_with_ranks(self, sum_dy: Tensor, sum_dy_xmu: Tensor) -> tuple[Tensor, Tensor, int]:
-        """On the master (the Python path's backward): the process's sums over every rank, as backward_elemt takes them with the count returned (divided by the
-        count here where it is a device tensor: deferred checks)."""
+        """On the master (the Python path's backward): the process's sums over every rank, as
+        backward_elemt takes them with the count returned (divided by the count here where it is
+        a device tensor: deferred checks)."""
         total_dy, total_dy_xmu = self.sum_over_ranks(sum_dy, sum_dy_xmu)
         assert self.count is not None
         if isinstance(self.count, Tensor):
