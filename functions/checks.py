@@ -33,7 +33,7 @@ import os
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -70,10 +70,18 @@ def reads_at_once(device: torch.device) -> bool:
     return chosen == "layer" if chosen is not None else device.type != "cuda"
 
 
+class Ready(Protocol):
+    """What a deferred verdict waits for: a ``torch.cuda.Event``, or the native path's event."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
 @dataclass
 class _Deferred:
     host: Tensor  # the verdict in host memory (pinned for CUDA), valid once `ready` has passed
-    ready: "torch.cuda.Event | None"
+    ready: Ready | None
     explain: Explain
     backward: bool  # made in a backward: not waited for at that backward's end
     valid: Tensor | None = None  # the device's judgement of the verdict (verify_judged), in host memory
@@ -131,7 +139,6 @@ def verify_judged(valid: Tensor, verdict: Callable[[], Tensor], explain: Explain
 def _defer(verdict: Tensor, explain: Explain, valid: Tensor | None = None) -> None:
     """Keep ``verdict`` (and ``valid``, the device's judgement of it, where given: read first, the
     verdict is explained only where it fails) to read once the device has made it."""
-    in_backward = torch._C._current_graph_task_id() != -1
     if verdict.device.type == "cuda":
         host = verdict.to("cpu", non_blocking=True)  # into pinned memory, without waiting
         valid = None if valid is None else valid.to("cpu", non_blocking=True)
@@ -139,6 +146,14 @@ def _defer(verdict: Tensor, explain: Explain, valid: Tensor | None = None) -> No
         ready.record(torch.cuda.current_stream(verdict.device))
     else:
         host, ready = verdict, None
+    defer_read(host, ready, explain, valid)
+
+
+def defer_read(host: Tensor, ready: Ready | None, explain: Explain, valid: Tensor | None = None) -> None:
+    """Keep a verdict already on its way to host memory (``host``, and ``valid``, the device's
+    judgement of it, where given), to read once ``ready`` has passed (None: readable now). The
+    native path (src/sync_batch_norm.cpp) makes the copies and the event itself and calls this."""
+    in_backward = torch._C._current_graph_task_id() != -1
     with _lock:
         _pending.append(_Deferred(host, ready, explain, in_backward, valid))
         overflow = _pending.popleft() if len(_pending) > MAX_PENDING else None

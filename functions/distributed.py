@@ -200,6 +200,13 @@ def judge_gathered(call: ProcessGroupCall, valid: Tensor, rows: Tensor) -> bool:
     return checks.verify_judged(valid, lambda: rows[:, :HEADER_SIZE], lambda values: _explain_forward(call, values))
 
 
+def defer_gathered(call: ProcessGroupCall, valid: Tensor, headers: Tensor, ready: checks.Ready | None) -> None:
+    """The native path's forward checks, deferred: ``valid`` (``merge_gathered_stats``'s verdict)
+    and the gathered rows' ``headers``, copied to host memory behind ``ready`` by the caller, read
+    later as :func:`judge_gathered` would have read them."""
+    checks.defer_read(headers, ready, lambda values: _explain_forward(call, values), valid)
+
+
 def report_failure(call: ProcessGroupCall, channels: int, device: torch.device) -> None:
     """Join the forward's all_gather with a failed flag (after a local error such as bad
     input), so that the other ranks raise at once instead of waiting for the timeout."""
@@ -235,7 +242,18 @@ def all_reduce_sums(sum_dy: Tensor, sum_dy_xmu: Tensor, call: ProcessGroupCall) 
 def judge_summed(call: ProcessGroupCall, row: Tensor) -> None:
     """Check the summed identities that lead the backward's ``row``: at once or deferred
     (:func:`functions.checks.verify`)."""
-    checks.verify(row[:IDENTITY_SIZE], lambda values: _explain_backward(call, dist.get_world_size(call.group), values))
+    checks.verify(row[:IDENTITY_SIZE], lambda values: _explain_summed(call, values))
+
+
+def defer_summed(call: ProcessGroupCall, identities: Tensor, ready: checks.Ready | None) -> None:
+    """The native path's backward checks, deferred: the summed ``identities`` that lead its row,
+    copied to host memory behind ``ready`` by the caller, read later as :func:`judge_summed`
+    would have read them."""
+    checks.defer_read(identities, ready, lambda values: _explain_summed(call, values))
+
+
+def _explain_summed(call: ProcessGroupCall, identity_sums: list[float]) -> BaseException | None:
+    return _explain_backward(call, dist.get_world_size(call.group), identity_sums)
 
 
 def native_ranks(call: ProcessGroupCall, dtype: torch.dtype, device: torch.device) -> tuple:

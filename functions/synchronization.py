@@ -5,9 +5,10 @@ The layer builds a :class:`Synchronizer` for each call that syncs (training with
 replica in the process, or a process group of more than one rank). On the native path
 (src/sync_batch_norm.cpp, where the compiled module is loaded) the replicas meet in C++, and the
 process master builds, merges and judges the collectives' rows itself, calling back only for the
-collectives (:meth:`Synchronizer.gather_rows`, :meth:`Synchronizer.reduce_row`) and, where a
-verdict is deferred or fails, for the checks (:meth:`Synchronizer.judge_gathered`,
-:meth:`Synchronizer.judge_summed`). On the Python path the autograd Function
+collectives (:meth:`Synchronizer.gather_rows`, :meth:`Synchronizer.reduce_row`), for a verdict
+that fails at once (:meth:`Synchronizer.judge_gathered`, :meth:`Synchronizer.judge_summed`), and,
+where the checks are deferred, to queue the verdicts that it has copied to host memory itself
+(:meth:`Synchronizer.defer_gathered`, :meth:`Synchronizer.defer_summed`). On the Python path the autograd Function
 meets the other replicas once per direction, with :meth:`Synchronizer.on_master`: each replica posts
 its part of the call (its tensors, and the stream it runs on) to its round
 (:mod:`functions.replicas`) and waits; the master replica (index 0) does the whole call for every
@@ -155,17 +156,28 @@ class Synchronizer:
         return distributed.all_gather_rows(row, self.process_call)
 
     def judge_gathered(self, valid: Tensor, rows: Tensor) -> None:
-        """The native path's forward checks where they are deferred, or fail (``valid`` false):
-        raises then, as the Python path does (:func:`functions.distributed.judge_gathered`)."""
+        """The native path's forward checks where they fail (``valid`` false), read at once:
+        raises, as the Python path does (:func:`functions.distributed.judge_gathered`)."""
         distributed.judge_gathered(self.process_call, valid, rows)
+
+    def defer_gathered(self, valid: Tensor, headers: Tensor, ready: checks.Ready | None) -> None:
+        """The native path's forward checks where they are deferred: ``valid`` and the rows'
+        ``headers`` on their way to host memory, read once ``ready`` has passed
+        (:func:`functions.distributed.defer_gathered`)."""
+        distributed.defer_gathered(self.process_call, valid, headers, ready)
 
     def reduce_row(self, row: Tensor) -> None:
         """The native path's all_reduce of its backward ``row``, in place."""
         distributed.all_reduce_row(row, self.process_call)
 
     def judge_summed(self, row: Tensor) -> None:
-        """The native path's backward checks where they are deferred, or fail."""
+        """The native path's backward checks where they fail, read at once: raises."""
         distributed.judge_summed(self.process_call, row)
+
+    def defer_summed(self, identities: Tensor, ready: checks.Ready | None) -> None:
+        """The native path's backward checks where they are deferred: the summed ``identities``
+        on their way to host memory (:func:`functions.distributed.defer_summed`)."""
+        distributed.defer_summed(self.process_call, identities, ready)
 
     def sum_with_ranks(self, sum_dy: Tensor, sum_dy_xmu: Tensor) -> tuple[Tensor, Tensor, int]:
         """On the master (the Python path's backward): the process's sums over every rank, as

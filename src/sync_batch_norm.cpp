@@ -124,6 +124,33 @@ at::Tensor fetch(const at::Tensor& t, const at::Device& device, const Ready& rea
   return copy;
 }
 
+// A deferred verdict's event, as functions/checks.py reads it (the methods of a torch.cuda.Event
+// that it calls): whether the device has run the copies to host memory, and a wait for them.
+struct ReadyEvent {
+  Ready event;
+  bool query() const { return event->query(); }
+  void synchronize() const { event->synchronize(); }
+};
+
+// A verdict on its way to host memory: copied from a device without waiting (into pinned memory,
+// as Tensor.to does for a non-blocking copy to the host), readable once `ready` has passed (none:
+// on the host already).
+struct HostVerdict {
+  at::Tensor values, valid;  // `valid` undefined where the verdict has no device judgement
+  Ready ready;
+};
+
+HostVerdict to_host(const at::Tensor& values, const at::Tensor& valid) {
+  if (values.is_cpu()) return {values, valid, nullptr};
+  const auto copy = [](const at::Tensor& t) { return t.defined() ? t.to(at::kCPU, /*non_blocking=*/true) : t; };
+  auto host_values = copy(values), host_valid = copy(valid);
+  return {host_values, host_valid, mark_ready(current_stream(values.device()))};
+}
+
+pybind11::object ready_object(const Ready& ready) {
+  return ready ? pybind11::cast(ReadyEvent{ready}) : pybind11::none();
+}
+
 at::MemoryFormat memory_format_of(const at::Tensor& x) {  // functions.reference.memory_format_of
   if (x.is_contiguous()) return at::MemoryFormat::Contiguous;
   if (x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast)) return at::MemoryFormat::ChannelsLast;
@@ -210,7 +237,8 @@ RowLayout& row_layout() {
 
 // This process's ranks, as Python holds them (functions.synchronization.Synchronizer), or none.
 // The rows are built, merged, unpacked and (read at once, where they pass) judged here; Python is
-// called for the collectives alone, and for the checks where they are deferred or fail. Made
+// called for the collectives, for the checks where they fail, and, where they are deferred, to
+// queue the verdicts that this copies to host memory (functions/checks.py reads them later). Made
 // with the GIL held (the binding), which reads the call's identity (Synchronizer.native:
 // functions.distributed.native_ranks); its calls take the GIL; kept by the backward node and
 // released under the GIL.
@@ -255,7 +283,11 @@ class Ranks {
     auto [total, merged_mean, var, valid] =
         ops().merge_gathered_stats.call(rows, layout.header, layout.agreeing, layout.failed, call.running_mean,
                                         call.running_var, call.num_batches_tracked, call.momentum);
-    if (!reads_at_once_ || !valid.item<bool>()) {  // deferred, or failed: Python explains (and raises)
+    if (!reads_at_once_) {  // read later, from host memory, where Python queues it
+      const auto verdict = to_host(rows.narrow(1, 0, layout.header), valid);
+      pybind11::gil_scoped_acquire gil;
+      python().attr("defer_gathered")(verdict.valid, verdict.values, ready_object(verdict.ready));
+    } else if (!valid.item<bool>()) {  // failed: Python explains and raises
       pybind11::gil_scoped_acquire gil;
       python().attr("judge_gathered")(valid, rows);
     }
@@ -276,7 +308,11 @@ class Ranks {
       pybind11::gil_scoped_acquire gil;
       python().attr("reduce_row")(row);
     }
-    if (!reads_at_once_ || !identities_agree(row)) {
+    if (!reads_at_once_) {  // read later, from host memory, where Python queues it
+      const auto verdict = to_host(row.narrow(0, 0, row_layout().identities), at::Tensor());
+      pybind11::gil_scoped_acquire gil;
+      python().attr("defer_summed")(verdict.values, ready_object(verdict.ready));
+    } else if (!identities_agree(row)) {  // failed: Python explains and raises
       pybind11::gil_scoped_acquire gil;
       python().attr("judge_summed")(row);
     }
@@ -700,6 +736,10 @@ void bind_sync_batch_norm(pybind11::module_& m) {
         row_layout() = RowLayout{header, agreeing, failed, shape_dims, identities};
       },
       "The collectives' row layout (functions.distributed.row_layout), set once at import");
+  py::class_<ReadyEvent>(m, "ReadyEvent", "The event after a deferred verdict's copies to host memory")
+      .def("query", &ReadyEvent::query, "Whether the device has run the copies")
+      .def("synchronize", &ReadyEvent::synchronize, py::call_guard<py::gil_scoped_release>(),
+           "Wait until the device has run the copies");
   m.def("set_replica_sync_error", [](py::object type) {
     replica_sync_error = type.release().ptr();  // kept for the life of the process
   });

@@ -25,6 +25,8 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from functions import checks, devices
+from functions.sync_batchnorm import native_serves
+from functions.synchronization import Synchronizer
 from testkit.collectives import count_collectives
 from testkit.host_reads import HostReads, allowed
 from testkit.local_group import run_local_group
@@ -714,6 +716,29 @@ def test_deferred_checks_read_nothing_on_the_host_until_the_step_ends(rank: int,
                     model(x).sum().backward()
     assert reads.seen == [], reads.report()
     assert ends, "the verdicts were never read"
+
+
+@pytest.mark.skipif(not native_serves(), reason="the compiled module is not loaded: the Python path defers its own verdicts")
+@across_processes(2)
+def test_the_native_path_queues_its_deferred_verdicts_from_host_copies(rank: int, world: int) -> None:
+    # the native path copies each verdict to host memory itself and makes one Python call per
+    # verdict to queue it (no torch op from Python, no judging call where all is well)
+    model = NN.convert_sync_batchnorm(conv_bn_2d().double())
+    x = torch.randn(3 + rank, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+    queued: list[tuple] = []
+    defer_read = checks.defer_read
+    spies = {name: mock.patch.object(Synchronizer, name, side_effect=AssertionError(name), autospec=True)
+             for name in ("judge_gathered", "judge_summed")}
+    with deferred_checks(), spies["judge_gathered"], spies["judge_summed"]:
+        with mock.patch.object(checks, "defer_read", lambda host, ready, explain, valid=None: queued.append(
+                (host, ready, valid)) or defer_read(host, ready, explain, valid)):
+            model(x).sum().backward()
+        checks.check_pending()
+    assert len(queued) == 4, queued  # the two layers' forward verdicts, then their backward's
+    for headers, ready, valid in queued[:2]:
+        assert ready is None and headers.shape[0] == world and valid.dtype == torch.bool and bool(valid)
+    for identities, ready, valid in queued[2:]:
+        assert ready is None and valid is None and identities.numel() == 4  # CPU tensors: readable now
 
 
 @across_processes(2)
