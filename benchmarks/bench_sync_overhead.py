@@ -10,9 +10,11 @@ backward (the input requires grad, as inside a network) of a tiny (8, 8, 4, 4) f
   the Python exchange (what serves without the compiled module);
 - a small ResNet (stem + 8 basic blocks: 17 batch norms, residual adds; batch 16x3x16x16), one
   training step (forward, loss, backward) under 4 thread replicas, converted against unsynced,
-  with one intra-op thread and with the process's default (the replicas share those; and torch's
+  and the converted net whose layers meet no one (each replica normalizing its own chunk through
+  the same native call: what our layer costs in the step without the meeting), with one intra-op
+  thread and with the process's default (the replicas share those; and torch's
   step once more with every replica starting a team of all of them, as before the share); the
-  two contenders alternate step by step, medians of single steps (blocks of steps taken in turn
+  contenders alternate step by step, medians of single steps (blocks of steps taken in turn
   let a slow spell of the VM fall on one contender: 0.95x and 1.10x in two runs of one day);
   measured first, while ThreadedDataParallel's pool of worker threads holds only theirs (after
   the rows of up to 8 replicas the runners rotate through a dozen pooled threads, which measured
@@ -137,16 +139,33 @@ def resnet_step(model: nn.Module, replicas: int, threads: int) -> benchmark.Time
     return benchmark.Timer("runner(x).square().mean().backward()", globals=dict(runner=runner, x=x), num_threads=threads)
 
 
-def resnet_row(replicas: int, steps: int, threads: int = 1) -> tuple[float, float]:
+class MeetingNoOne(NN.SyncBatchNorm2d):
+    """Our layer whose replicas meet no one: each normalizes its own chunk through the same
+    native call as a synchronized replica (no round, no process group). What our layer costs in a
+    step without the meeting, so that the ResNet row can tell the two apart."""
+
+    def _meeting(self) -> tuple[None, None]:
+        return None, None
+
+
+def meeting_no_one(model: nn.Module) -> nn.Module:
+    for layer in model.modules():
+        if isinstance(layer, NN.SyncBatchNorm2d):
+            layer.__class__ = MeetingNoOne
+    return model
+
+
+def resnet_row(replicas: int, steps: int, threads: int = 1) -> dict[str, float]:
     """Seconds of one training step of the small ResNet under R thread replicas (medians of
-    ``steps`` alternating steps): converted (ours, meeting natively), unsynced."""
+    ``steps`` alternating steps): converted (ours, meeting natively), converted with layers that
+    meet no one (:class:`MeetingNoOne`), unsynced."""
     torch.manual_seed(0)
     timers = {
         "ours": resnet_step(NN.convert_sync_batchnorm(small_resnet()), replicas, threads),
+        "alone": resnet_step(meeting_no_one(NN.convert_sync_batchnorm(small_resnet())), replicas, threads),
         "torch": resnet_step(small_resnet(), replicas, threads),
     }
-    t = alternating(timers, steps)
-    return t["ours"], t["torch"]
+    return alternating(timers, steps)
 
 
 def resnet_without_thread_shares(replicas: int, min_run_time: float, threads: int) -> float:
@@ -297,22 +316,25 @@ def main() -> None:
     # pooled threads, which measured 1.03x where a fresh process measured 1.10x
     resnet_lines: list[str] = []
     steps = 150 if args.quick else 400
-    ours, theirs = resnet_row(4, steps)
+    t = resnet_row(4, steps)
     resnet_lines += [
         "",
         f"A small ResNet (17 batch norms, residual adds; batch 16x3x16x16), one training step under 4 thread "
-        f"replicas, medians of {steps} steps each, the two alternating step by step: converted {ours * 1e3:.1f} ms, "
-        f"unsynced {theirs * 1e3:.1f} ms, {ours / theirs:.2f}x.",
+        f"replicas, medians of {steps} steps each, the three alternating step by step: converted "
+        f"{t['ours'] * 1e3:.1f} ms, {t['ours'] / t['torch']:.3f}x; converted with layers that meet no one (each "
+        f"replica normalizing its own chunk through the same native call) {t['alone'] * 1e3:.1f} ms, "
+        f"{t['alone'] / t['torch']:.3f}x; unsynced {t['torch'] * 1e3:.1f} ms.",
     ]
     print(resnet_lines[-1], flush=True)
     if default_threads > 1:
-        ours, theirs = resnet_row(4, steps, default_threads)
+        t = resnet_row(4, steps, default_threads)
         unshared = resnet_without_thread_shares(4, min_run_time * 4, default_threads)
         resnet_lines += [
             "",
             f"The same with the process's default {default_threads} intra-op threads (the 4 CPU replicas share them, "
-            f"{max(1, default_threads // 4)} each): converted {ours * 1e3:.1f} ms, unsynced {theirs * 1e3:.1f} ms, "
-            f"{ours / theirs:.2f}x; unsynced with every replica starting a team of all {default_threads} threads "
+            f"{max(1, default_threads // 4)} each): converted {t['ours'] * 1e3:.1f} ms, {t['ours'] / t['torch']:.3f}x; "
+            f"meeting no one {t['alone'] * 1e3:.1f} ms, {t['alone'] / t['torch']:.3f}x; unsynced "
+            f"{t['torch'] * 1e3:.1f} ms; unsynced with every replica starting a team of all {default_threads} threads "
             f"(before the share): {unshared * 1e3:.1f} ms.",
         ]
         print(resnet_lines[-1], flush=True)
