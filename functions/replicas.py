@@ -42,9 +42,15 @@ TIMEOUT_ENV = "SYNCBN_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0
 MAX_TIMEOUT = 1e9
 """Seconds: about 31 years, as good as no timeout; beyond, the waits' deadlines overflow."""
-NATIVE_SPIN_US = 50.0
-"""How long a native waiter polls (yielding its core) before it sleeps: waking a sleeping thread
-costs tens of microseconds on a VM, more than a replica's post (benchmarks/bench_sync_overhead.py)."""
+SPIN_ENV = "SYNCBN_SPIN_US"
+DEFAULT_SPIN_US = 300.0
+"""How long a replica waiting at a native meeting polls (yielding its core) before it sleeps.
+Waking a sleeping thread costs 100 us or more on a VM whose vCPU went idle (the other replicas
+wait through it, and the late one arrives that much later at the next meeting); 300 us covers a
+meeting's usual spread of arrivals. Measured against 50 us: the small ResNet under 4 thread
+replicas 1.08x instead of 1.11x of the unsynced step (benchmarks/RESULTS.md, stop 41)."""
+MAX_SPIN_US = 1e6
+"""Microseconds: a second of polling is no longer a spin before sleeping."""
 REPLICA_ATTR = "_sync_replica"
 
 Key = tuple[str, int]
@@ -56,6 +62,21 @@ class ReplicaSyncError(RuntimeError):
 
 if backend.NATIVE_ROUNDS is not None:
     backend.NATIVE_ROUNDS.set_replica_sync_error(ReplicaSyncError)  # what a native waiter raises
+
+
+def resolve_spin_us() -> float:
+    """``$SYNCBN_SPIN_US`` (microseconds, 0 to 1e6), else 300: how long a replica waiting at a
+    native meeting polls before it sleeps. 0 sleeps at once (cores shared with other work)."""
+    raw = os.environ.get(SPIN_ENV)
+    if not raw:
+        return DEFAULT_SPIN_US
+    try:
+        spin = float(raw)
+    except ValueError:
+        raise ValueError(f"{SPIN_ENV} must be a number of microseconds, got {raw!r}") from None
+    if not 0 <= spin <= MAX_SPIN_US:
+        raise ValueError(f"{SPIN_ENV} must be between 0 and {MAX_SPIN_US:g} microseconds, got {raw!r}")
+    return spin
 
 
 def resolve_timeout(timeout: float | None) -> float:
@@ -92,6 +113,7 @@ class ReplicaRound:
         self.layer = layer
         self.number = number
         self.timeout = timeout
+        self.spin_us = resolve_spin_us()  # for the native side; may raise (a bad $SYNCBN_SPIN_US)
         self._members: list[weakref.ref] = []
         self._lock = threading.RLock()
         # two queues on one lock, so that a replica's post wakes nobody but the master, and
@@ -146,7 +168,7 @@ class ReplicaRound:
             if self._native is None:
                 self._sealed = True
                 assert backend.NATIVE_ROUNDS is not None
-                self._native = backend.NATIVE_ROUNDS.ReplicaRound(self.size, self.timeout, self.layer, self.number, NATIVE_SPIN_US)
+                self._native = backend.NATIVE_ROUNDS.ReplicaRound(self.size, self.timeout, self.layer, self.number, self.spin_us)
                 if self._failure is not None:
                     self._native.abort(self._failure_reason())
             return self._native
@@ -306,8 +328,8 @@ class RoundTracker:
         with self._lock:
             if self._starts_round(position):
                 layer, timeout = settings()  # may raise (a bad timeout): no round number taken
+                self._current = ReplicaRound(layer, self._rounds + 1, timeout)  # may raise too
                 self._rounds += 1
-                self._current = ReplicaRound(layer, self._rounds, timeout)
             return ReplicaHandle(self._current, self._current.add(replica))
 
     def _starts_round(self, position: int | None) -> bool:

@@ -43,11 +43,16 @@ class ReplicaRound {
     if (!(timeout_s > 0 && timeout_s <= kMaxTimeout) || size < 1) {
       throw std::invalid_argument("ReplicaRound: needs size >= 1 and 0 < timeout <= 1e9 s");
     }
+    if (!(spin_us >= 0 && spin_us <= kMaxSpin)) {
+      throw std::invalid_argument("ReplicaRound: needs 0 <= spin_us <= 1e6 microseconds");
+    }
   }
 
   static constexpr double kMaxTimeout = 1e9;  // seconds: a deadline in nanoseconds stays in int64
+  static constexpr double kMaxSpin = 1e6;     // microseconds: a second of polling is already no sleep
 
   int64_t size() const { return size_; }
+  double spin_us() const { return spin_.count(); }
 
   // Break the round with `reason` ("replica 1 failed: ValueError: ..."), unless it is broken already.
   void abort(const std::string& reason) {

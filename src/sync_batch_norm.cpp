@@ -729,6 +729,7 @@ void bind_sync_batch_norm(pybind11::module_& m) {
       .def(py::init<int64_t, double, std::string, int64_t, double>(), py::arg("size"), py::arg("timeout"),
            py::arg("layer"), py::arg("number"), py::arg("spin_us"))
       .def_property_readonly("size", &ReplicaRound::size)
+      .def_property_readonly("spin_us", &ReplicaRound::spin_us, "How long a waiter polls before it sleeps")
       .def("abort", &ReplicaRound::abort, py::arg("reason"), py::call_guard<py::gil_scoped_release>());
   m.def(
       "set_row_layout",

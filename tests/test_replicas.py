@@ -115,6 +115,47 @@ def test_bad_timeout_values(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_timeout(None)
 
 
+def test_spin_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # how long a replica waiting at a native meeting polls before it sleeps: $SYNCBN_SPIN_US, else 300 us
+    monkeypatch.delenv("SYNCBN_SPIN_US", raising=False)
+    assert ReplicaRound("layer", 1, 5.0).spin_us == 300.0
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 2, 2, dtype=torch.float64)  # chunks 3, 2
+    for value in ("0", "1000"):
+        monkeypatch.setenv("SYNCBN_SPIN_US", value)
+        round = ReplicaRound("layer", 1, 5.0)
+        assert round.spin_us == float(value)
+        if backend.NATIVE_ROUNDS is not None:  # the native side waits with it
+            members = [nn.Identity(), nn.Identity()]
+            for member in members:
+                round.add(member)
+            assert round.native().spin_us == float(value)
+        ours, theirs = NN.SyncBatchNorm2d(3).double(), nn.BatchNorm2d(3).double()
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y = ThreadedDataParallel(ours, ["cpu"] * 2)(a)
+        torch.testing.assert_close(y, theirs(b), rtol=0, atol=1e-12)
+        y.square().sum().backward()
+        theirs(b).square().sum().backward()
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
+
+
+def test_bad_spin_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = ThreadedDataParallel(NN.SyncBatchNorm2d(3), ["cpu"] * 2)
+    for bad in ("-1", "nan", "inf", "2e6", "fast"):
+        monkeypatch.setenv("SYNCBN_SPIN_US", bad)
+        with pytest.raises(ValueError, match="SYNCBN_SPIN_US"):
+            ReplicaRound("layer", 1, 5.0)
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="SYNCBN_SPIN_US"):  # where the round begins: nobody waits
+            model(torch.randn(4, 3, 2, 2))
+        assert time.monotonic() - start < 5
+    if backend.NATIVE_ROUNDS is not None:
+        with pytest.raises(ValueError, match="spin_us"):
+            backend.NATIVE_ROUNDS.ReplicaRound(2, 5.0, "layer", 1, -1.0)
+    monkeypatch.setenv("SYNCBN_SPIN_US", "0")
+    model(torch.randn(4, 3, 2, 2))  # the next step starts clean
+
+
 def test_later_layer_failure_keeps_earlier_update() -> None:
     # as nn.BatchNorm: a layer whose exchange completed keeps its update when a later one fails
     first, second = NN.SyncBatchNorm2d(3, timeout=30), NN.SyncBatchNorm2d(3, timeout=30)
