@@ -21,7 +21,9 @@ backward (the input requires grad, as inside a network) of a tiny (8, 8, 4, 4) f
   1.03x where a fresh process measured 1.10x);
 - processes: R Gloo ranks on loopback (one intra-op thread each) under DDP, ours against
   ``nn.BatchNorm2d``, and the two collectives of a layer alone (an all_gather of a 14 + 2C row,
-  an all_reduce of 2C + 4 values, float64) in the same processes; every rank runs the same fixed
+  an all_reduce of 2C + 4 values, float64) in the same processes, and in place: torch's layer
+  making the same two collectives where ours makes them (forward, backward), which bears the
+  ranks' skew between collectives as ours does; every rank runs the same fixed
   number of steps (collectives need all ranks), all contenders taken in turn over rounds (the
   collectives' own time drifts between runs on a VM), the slowest rank's median counts; with the
   checks read at each layer (CPU tensors' default) and deferred (``SYNCBN_CHECKS=step``, CUDA's
@@ -219,6 +221,12 @@ def ddp_model(layer: type, depth: int) -> nn.Module:
     return DistributedDataParallel(stack(layer, depth), forward_sync_buffers=False)
 
 
+def gather_into_one_tensor(rows: torch.Tensor, row: torch.Tensor) -> None:
+    """The all_gather into one tensor that our layer makes (``all_gather_single`` where this torch
+    has it, as functions.distributed does)."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(rows, row)
+
+
 def collectives_alone() -> Callable[[], None]:
     """One layer's two collectives: the all_gather of its statistics row and the all_reduce of
     its backward sums."""
@@ -227,21 +235,49 @@ def collectives_alone() -> Callable[[], None]:
     rows = row.new_empty(world * row.numel())
 
     def both() -> None:
-        dist.all_gather_into_tensor(rows, row)
+        gather_into_one_tensor(rows, row)
         dist.all_reduce(sums)
 
     return both
 
 
+class _CollectivesInPlace(torch.autograd.Function):
+    """The identity, making a layer's two collectives where ours makes them: the all_gather of a
+    statistics row in the forward, the all_reduce of the sums row in the backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        channels, world = x.shape[1], dist.get_world_size()
+        row = torch.zeros(14 + 2 * channels, dtype=torch.float64)
+        gather_into_one_tensor(row.new_empty(world * row.numel()), row)
+        ctx.channels = channels
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        dist.all_reduce(torch.zeros(2 * ctx.channels + 4, dtype=torch.float64))
+        return grad
+
+
+class BatchNormWithCollectives(nn.BatchNorm2d):
+    """torch's unsynced layer making our layer's two collectives at the same points of the step:
+    the collectives as they cost in place, with the ranks' skew between them, without our work."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(_CollectivesInPlace.apply(x))
+
+
 def ranks_row(rank: int, world: int, number: int, repeats: int) -> dict:
     """Per-layer seconds on this rank: ours with the checks at the layer and deferred, torch's,
-    and the two collectives alone, taken in turn over ``repeats`` rounds (every rank runs the same
-    sequence: collectives need all ranks), medians."""
+    torch's with the two collectives in place (:class:`BatchNormWithCollectives`), and the two
+    collectives alone, taken in turn over ``repeats`` rounds (every rank runs the same sequence:
+    collectives need all ranks), medians."""
     x = torch.randn(SHAPE, requires_grad=True)
     ours = {depth: ddp_model(NN.SyncBatchNorm2d, depth) for depth in (1, DEEP)}
     theirs = {depth: ddp_model(nn.BatchNorm2d, depth) for depth in (1, DEEP)}
+    placed = {depth: ddp_model(BatchNormWithCollectives, depth) for depth in (1, DEEP)}
     both = collectives_alone()
-    samples: dict = {key: [] for key in ("layer", "step", "torch", "collectives")}
+    samples: dict = {key: [] for key in ("layer", "step", "torch", "placed", "collectives")}
     for _ in range(repeats):
         for mode in ("layer", "step"):
             os.environ[checks.CHECKS_ENV] = mode
@@ -249,8 +285,9 @@ def ranks_row(rank: int, world: int, number: int, repeats: int) -> dict:
             checks.check_pending()
             samples[mode].append(per_layer(t[1], t[0]))
         del os.environ[checks.CHECKS_ENV]
-        t = [time_fixed(lambda m=theirs[depth]: m(x).sum().backward(), number, 1) for depth in (1, DEEP)]
-        samples["torch"].append(per_layer(t[1], t[0]))
+        for key, models in (("torch", theirs), ("placed", placed)):
+            t = [time_fixed(lambda m=models[depth]: m(x).sum().backward(), number, 1) for depth in (1, DEEP)]
+            samples[key].append(per_layer(t[1], t[0]))
         samples["collectives"].append(time_fixed(both, number * DEEP // 4, 1))
     return {key: median(values) for key, values in samples.items()}
 
@@ -350,10 +387,12 @@ def main() -> None:
         slowest = {key: max(r[key] for r in results) for key in results[0]}
         for mode, what in (("layer", "checks at the layer"), ("step", "checks deferred")):
             own = slowest[mode] - slowest["torch"] - slowest["collectives"]
+            in_place = slowest["placed"] - slowest["torch"]
             lines.append(
                 f"| DDP, {world} Gloo ranks, {what} | {us(slowest[mode])} | {us(slowest['torch'])} | "
                 f"{us(slowest[mode] - slowest['torch'])}, of which the two collectives alone {us(slowest['collectives'])}: "
-                f"our own part {us(own)} |"
+                f"our own part {us(own)}; the collectives in place (torch's layer making them) {us(in_place)}: "
+                f"our own part beyond them {us(slowest[mode] - slowest['placed'])} |"
             )
             print(lines[-1], flush=True)
     free = free_collectives_row(min_run_time, rounds)

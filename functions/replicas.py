@@ -26,6 +26,7 @@ per layer and direction (src/sync_batch_norm.cpp).
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -44,11 +45,16 @@ MAX_TIMEOUT = 1e9
 """Seconds: about 31 years, as good as no timeout; beyond, the waits' deadlines overflow."""
 SPIN_ENV = "SYNCBN_SPIN_US"
 DEFAULT_SPIN_US = 300.0
-"""How long a replica waiting at a native meeting polls (yielding its core) before it sleeps.
-Waking a sleeping thread costs 100 us or more on a VM whose vCPU went idle (the other replicas
-wait through it, and the late one arrives that much later at the next meeting); 300 us covers a
-meeting's usual spread of arrivals. Measured against 50 us: the small ResNet under 4 thread
-replicas 1.08x instead of 1.11x of the unsynced step (benchmarks/RESULTS.md, stop 41)."""
+"""How long a replica waiting at a native meeting polls (yielding its core) before it sleeps,
+where every replica of the round has a core to itself. Waking a sleeping thread costs 100 us or
+more on a VM whose vCPU went idle (the other replicas wait through it, and the late one arrives
+that much later at the next meeting): on the 2-vCPU EPYC, 2 thread replicas took the small
+ResNet's step in 1.05-1.10x the unsynced one against 1.12-1.14x at 50 us, and their stacked
+layers +114-122 us a layer against +160-183 (benchmarks/RESULTS.md, stop 41)."""
+OVERSUBSCRIBED_SPIN_US = 50.0
+"""The same where the replicas outnumber the cores: a poller then holds a core that a replica
+still working needs (4 replicas on 2 vCPUs: 300 us measured better in some runs, worse in
+others, by up to 3x on the stacked layers)."""
 MAX_SPIN_US = 1e6
 """Microseconds: a second of polling is no longer a spin before sleeping."""
 REPLICA_ATTR = "_sync_replica"
@@ -64,12 +70,11 @@ if backend.NATIVE_ROUNDS is not None:
     backend.NATIVE_ROUNDS.set_replica_sync_error(ReplicaSyncError)  # what a native waiter raises
 
 
-def resolve_spin_us() -> float:
-    """``$SYNCBN_SPIN_US`` (microseconds, 0 to 1e6), else 300: how long a replica waiting at a
-    native meeting polls before it sleeps. 0 sleeps at once (cores shared with other work)."""
+def spin_from_environment() -> float | None:
+    """``$SYNCBN_SPIN_US`` (microseconds, 0 to 1e6; 0 sleeps at once), or None where unset."""
     raw = os.environ.get(SPIN_ENV)
     if not raw:
-        return DEFAULT_SPIN_US
+        return None
     try:
         spin = float(raw)
     except ValueError:
@@ -77,6 +82,18 @@ def resolve_spin_us() -> float:
     if not 0 <= spin <= MAX_SPIN_US:
         raise ValueError(f"{SPIN_ENV} must be between 0 and {MAX_SPIN_US:g} microseconds, got {raw!r}")
     return spin
+
+
+@functools.cache
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity), read once."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def default_spin_us(replicas: int) -> float:
+    """How long a waiter of a round of ``replicas`` polls where ``$SYNCBN_SPIN_US`` is unset:
+    :data:`DEFAULT_SPIN_US` where each has a core, else :data:`OVERSUBSCRIBED_SPIN_US`."""
+    return DEFAULT_SPIN_US if replicas <= usable_cores() else OVERSUBSCRIBED_SPIN_US
 
 
 def resolve_timeout(timeout: float | None) -> float:
@@ -113,7 +130,7 @@ class ReplicaRound:
         self.layer = layer
         self.number = number
         self.timeout = timeout
-        self.spin_us = resolve_spin_us()  # for the native side; may raise (a bad $SYNCBN_SPIN_US)
+        self._spin_us = spin_from_environment()  # for the native side; may raise (a bad $SYNCBN_SPIN_US)
         self._members: list[weakref.ref] = []
         self._lock = threading.RLock()
         # two queues on one lock, so that a replica's post wakes nobody but the master, and
@@ -139,6 +156,12 @@ class ReplicaRound:
     def accepts_members(self) -> bool:
         with self._lock:
             return not self._sealed and any(ref() is not None for ref in self._members)
+
+    @property
+    def spin_us(self) -> float:
+        """How long a replica waiting at this round's native meetings polls before it sleeps:
+        ``$SYNCBN_SPIN_US`` as the round began, else :func:`default_spin_us` of its size."""
+        return self._spin_us if self._spin_us is not None else default_spin_us(self.size)
 
     @property
     def sealed(self) -> bool:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from functions import ReplicaSyncError, backend
+from functions import replicas
 from functions.replicas import ReplicaRound, resolve_timeout
 from helpers import replayed_replicas, run_threads, share_of_a_counting_thread, stock_replicas
 from modules import nn as NN
@@ -118,7 +119,12 @@ def test_bad_timeout_values(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_spin_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     # how long a replica waiting at a native meeting polls before it sleeps: $SYNCBN_SPIN_US, else 300 us
     monkeypatch.delenv("SYNCBN_SPIN_US", raising=False)
-    assert ReplicaRound("layer", 1, 5.0).spin_us == 300.0
+    monkeypatch.setattr(replicas, "usable_cores", lambda: 2)
+    round = ReplicaRound("layer", 1, 5.0)
+    members = [nn.Identity() for _ in range(3)]
+    for member, spin in zip(members, (300.0, 300.0, 50.0)):  # unset: 300 us while each has a core, else 50
+        round.add(member)
+        assert round.spin_us == spin
     torch.manual_seed(0)
     x = torch.randn(5, 3, 2, 2, dtype=torch.float64)  # chunks 3, 2
     for value in ("0", "1000"):
