@@ -54,7 +54,7 @@ layers +114-122 us a layer against +160-183 (benchmarks/RESULTS.md, stop 41)."""
 OVERSUBSCRIBED_SPIN_US = 50.0
 """The same where the replicas outnumber the cores: a poller then holds a core that a replica
 still working needs (4 replicas on 2 vCPUs: 300 us measured better in some runs, worse in
-others, by up to 3x on the stacked layers)."""
+others, by up to 2.8x on the stacked layers)."""
 MAX_SPIN_US = 1e6
 """Microseconds: a second of polling is no longer a spin before sleeping."""
 REPLICA_ATTR = "_sync_replica"
