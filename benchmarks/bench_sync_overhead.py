@@ -221,21 +221,22 @@ def ddp_model(layer: type, depth: int) -> nn.Module:
     return DistributedDataParallel(stack(layer, depth), forward_sync_buffers=False)
 
 
-def gather_into_one_tensor(rows: torch.Tensor, row: torch.Tensor) -> None:
-    """The all_gather into one tensor that our layer makes (``all_gather_single`` where this torch
-    has it, as functions.distributed does)."""
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(rows, row)
+def layer_rows(channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero rows of the sizes that a layer of ``channels`` sends: the forward's statistics row
+    (header, mean, M2) and the backward's sums row (identities, sum_dy, sum_dy_xmu), float64."""
+    return (
+        torch.zeros(distributed.HEADER_SIZE + 2 * channels, dtype=torch.float64),
+        torch.zeros(distributed.IDENTITY_SIZE + 2 * channels, dtype=torch.float64),
+    )
 
 
 def collectives_alone() -> Callable[[], None]:
     """One layer's two collectives: the all_gather of its statistics row and the all_reduce of
     its backward sums."""
-    channels, world = SHAPE[1], dist.get_world_size()
-    row, sums = torch.zeros(14 + 2 * channels, dtype=torch.float64), torch.zeros(2 * channels + 4, dtype=torch.float64)
-    rows = row.new_empty(world * row.numel())
+    row, sums = layer_rows(SHAPE[1])
 
     def both() -> None:
-        gather_into_one_tensor(rows, row)
+        distributed._all_gather_rows(row, None)  # as our layer gathers (all_gather_single where torch has it)
         dist.all_reduce(sums)
 
     return both
@@ -247,15 +248,13 @@ class _CollectivesInPlace(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        channels, world = x.shape[1], dist.get_world_size()
-        row = torch.zeros(14 + 2 * channels, dtype=torch.float64)
-        gather_into_one_tensor(row.new_empty(world * row.numel()), row)
-        ctx.channels = channels
+        row, ctx.sums = layer_rows(x.shape[1])
+        distributed._all_gather_rows(row, None)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        dist.all_reduce(torch.zeros(2 * ctx.channels + 4, dtype=torch.float64))
+        dist.all_reduce(ctx.sums)
         return grad
 
 
