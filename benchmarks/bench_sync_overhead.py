@@ -30,7 +30,10 @@ backward (the input requires grad, as inside a network) of a tiny (8, 8, 4, 4) f
   default);
 - our own part across processes without the collectives: this process posing as a rank of a
   world of 2 whose collectives cost nothing;
-- the bare exchange: R threads meeting in ``ReplicaRound.exchange`` with a trivial combine.
+- the bare exchange: R threads meeting in ``ReplicaRound.exchange`` with a trivial combine;
+- a lone replica's fixed cost: our ``SyncBatchNorm2d`` with no wrapper and no process group
+  against ``nn.BatchNorm2d``, forward + backward (input, weight and bias gradients) of a
+  (2, 64, 4, 4) float32 input, as ``bench_toolchain.py`` times ``BatchNorm2d``'s.
 
     python benchmarks/bench_sync_overhead.py [--quick] [--no-write]
 """
@@ -55,7 +58,7 @@ from torch.utils import benchmark
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from bench_cpu import cpu_model, publish  # noqa: E402
+from bench_cpu import cpu_model, fused_step, interleaved_medians, publish  # noqa: E402
 from functions import backend, checks, distributed  # noqa: E402
 from functions.replicas import ReplicaRound  # noqa: E402
 from helpers import BasicBlock  # noqa: E402
@@ -322,6 +325,15 @@ def free_collectives_row(min_run_time: float, rounds: int) -> dict[str, float]:
     return result
 
 
+def lone_replica_row(min_run_time: float, rounds: int) -> dict[str, float]:
+    """Seconds of forward + backward of nn.BatchNorm2d and of our SyncBatchNorm2d as a lone
+    replica (no wrapper, no process group: nothing to meet), taken in turn."""
+    x = torch.randn(2, 64, 4, 4, requires_grad=True)
+    dy = torch.randn_like(x)
+    steps = {"torch": fused_step(nn.BatchNorm2d(64), x, None, dy), "ours": fused_step(NN.SyncBatchNorm2d(64), x, None, dy)}
+    return {name: ms * 1e-3 for name, ms in interleaved_medians(steps, min_run_time * rounds, rounds).items()}
+
+
 def us(seconds: float) -> str:
     return f"{seconds * 1e6:.0f}"
 
@@ -401,6 +413,12 @@ def main() -> None:
             f"{us(free[mode] - free['torch'])}: our own part |"
         )
         print(lines[-1], flush=True)
+    lone = lone_replica_row(min_run_time, rounds)
+    lines.append(
+        f"| a lone replica (no wrapper, no process group), forward + backward of (2, 64, 4, 4) | {us(lone['ours'])} | "
+        f"{us(lone['torch'])} (`nn.BatchNorm2d` alone) | {lone['ours'] * 1e6 - lone['torch'] * 1e6:+.1f}: our fixed cost |"
+    )
+    print(lines[-1], flush=True)
     lines += resnet_lines
     lines += ["", "The bare Python exchange (`ReplicaRound.exchange`, R threads, a combine that sums ints), per exchange:", ""]
     lines.append(" ".join(f"{r} threads: {us(bare_exchange(r))} us;" for r in replica_counts).rstrip(";"))

@@ -46,15 +46,12 @@ MAX_TIMEOUT = 1e9
 SPIN_ENV = "SYNCBN_SPIN_US"
 DEFAULT_SPIN_US = 300.0
 """How long a replica waiting at a native meeting polls (yielding its core) before it sleeps,
-where every replica of the round has a core to itself. Waking a sleeping thread costs 100 us or
-more on a VM whose vCPU went idle (the other replicas wait through it, and the late one arrives
+where a core is spare (src/replica_round.h, ``spare_core``: pollers and the replicas still
+working fit in :func:`usable_cores`; else it sleeps at once). Waking a sleeping thread costs 100 us
+or more on a VM whose vCPU went idle (the other replicas wait through it, and the late one arrives
 that much later at the next meeting): on the 2-vCPU EPYC, 2 thread replicas took the small
 ResNet's step in 1.05-1.10x the unsynced one against 1.12-1.14x at 50 us, and their stacked
 layers +114-122 us a layer against +160-183 (benchmarks/RESULTS.md, stop 41)."""
-OVERSUBSCRIBED_SPIN_US = 50.0
-"""The same where the replicas outnumber the cores: a poller then holds a core that a replica
-still working needs (4 replicas on 2 vCPUs: 300 us measured better in some runs, worse in
-others, by up to 2.8x on the stacked layers)."""
 MAX_SPIN_US = 1e6
 """Microseconds: a second of polling is no longer a spin before sleeping."""
 REPLICA_ATTR = "_sync_replica"
@@ -88,12 +85,6 @@ def spin_from_environment() -> float | None:
 def usable_cores() -> int:
     """The CPUs this process may run on (its affinity), read once."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def default_spin_us(replicas: int) -> float:
-    """How long a waiter of a round of ``replicas`` polls where ``$SYNCBN_SPIN_US`` is unset:
-    :data:`DEFAULT_SPIN_US` where each has a core, else :data:`OVERSUBSCRIBED_SPIN_US`."""
-    return DEFAULT_SPIN_US if replicas <= usable_cores() else OVERSUBSCRIBED_SPIN_US
 
 
 def resolve_timeout(timeout: float | None) -> float:
@@ -159,9 +150,10 @@ class ReplicaRound:
 
     @property
     def spin_us(self) -> float:
-        """How long a replica waiting at this round's native meetings polls before it sleeps:
-        ``$SYNCBN_SPIN_US`` as the round began, else :func:`default_spin_us` of its size."""
-        return self._spin_us if self._spin_us is not None else default_spin_us(self.size)
+        """How long a replica waiting at this round's native meetings polls, where a core is
+        spare, before it sleeps: ``$SYNCBN_SPIN_US`` as the round began, else
+        :data:`DEFAULT_SPIN_US`."""
+        return self._spin_us if self._spin_us is not None else DEFAULT_SPIN_US
 
     @property
     def sealed(self) -> bool:
@@ -191,7 +183,9 @@ class ReplicaRound:
             if self._native is None:
                 self._sealed = True
                 assert backend.NATIVE_ROUNDS is not None
-                self._native = backend.NATIVE_ROUNDS.ReplicaRound(self.size, self.timeout, self.layer, self.number, self.spin_us)
+                self._native = backend.NATIVE_ROUNDS.ReplicaRound(
+                    self.size, self.timeout, self.layer, self.number, self.spin_us, usable_cores()
+                )
                 if self._failure is not None:
                     self._native.abort(self._failure_reason())
             return self._native

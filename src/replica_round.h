@@ -37,15 +37,17 @@ std::string failure_reason(int64_t index, const std::exception_ptr& error);
 
 class ReplicaRound {
  public:
-  ReplicaRound(int64_t size, double timeout_s, std::string layer, int64_t number, double spin_us)
+  // `cores`: the CPUs the replicas share (0: unknown, every waiter may poll).
+  ReplicaRound(int64_t size, double timeout_s, std::string layer, int64_t number, double spin_us, int64_t cores)
       : size_(size), timeout_s_(timeout_s), spin_(std::chrono::duration<double, std::micro>(spin_us)),
-        layer_(std::move(layer)), number_(number) {
+        cores_(cores), layer_(std::move(layer)), number_(number) {
     if (!(timeout_s > 0 && timeout_s <= kMaxTimeout) || size < 1) {
       throw std::invalid_argument("ReplicaRound: needs size >= 1 and 0 < timeout <= 1e9 s");
     }
     if (!(spin_us >= 0 && spin_us <= kMaxSpin)) {
       throw std::invalid_argument("ReplicaRound: needs 0 <= spin_us <= 1e6 microseconds");
     }
+    if (cores < 0) throw std::invalid_argument("ReplicaRound: needs cores >= 0 (0: unknown)");
   }
 
   static constexpr double kMaxTimeout = 1e9;  // seconds: a deadline in nanoseconds stays in int64
@@ -53,6 +55,7 @@ class ReplicaRound {
 
   int64_t size() const { return size_; }
   double spin_us() const { return spin_.count(); }
+  int64_t cores() const { return cores_; }
 
   // Break the round with `reason` ("replica 1 failed: ValueError: ..."), unless it is broken already.
   void abort(const std::string& reason) {
@@ -110,6 +113,7 @@ class ReplicaRound {
     const std::function<std::vector<Result>(std::vector<Part>&)>* combine = nullptr;  // the master's
     std::exception_ptr combine_error;  // what the master's combine raised, for the master to raise
     bool combining = false;            // the combine runs (outside the lock): the master must not leave
+    int64_t pollers = 0;               // waiters polling now (see spare_core)
   };
 
   // By the last replica to arrive (the lock held): the master's combine over every part, then the
@@ -173,14 +177,15 @@ class ReplicaRound {
   }
 
   // Wait (the lock held) until ready(), a failure or the deadline. A short spin first, without the
-  // lock: on a VM, waking a thread whose vCPU went idle costs more than the other replica's post.
-  // Woken when the last replica arrives, spin again while it combines, whose results are near.
+  // lock, where a core is spare: on a VM, waking a thread whose vCPU went idle costs more than the
+  // other replica's post. Woken when the last replica arrives, spin again while it combines (where
+  // a core is spare), whose results are near.
   // Once every replica has arrived the combine decides, so the deadline is extended once: a
   // replica must not give up on a result that is about to be published.
   template <typename Part, typename Result, typename Ready>
   void wait(std::unique_lock<std::mutex>& lock, const char* direction, int64_t call, Slot<Part, Result>& slot,
             std::chrono::steady_clock::time_point deadline, Ready ready) {
-    if (!ready() && !failure_) spin(lock);
+    if (!ready() && !failure_) spin(lock, slot);
     bool extended = false, spun_while_combining = false;
     while (!ready()) {
       if (failure_) throw RoundBroken(where(direction, call, slot.arrived_at) + "; " + *failure_);
@@ -198,23 +203,39 @@ class ReplicaRound {
       }
       if (all_arrived && !spun_while_combining) {
         spun_while_combining = true;
-        spin(lock);
+        spin(lock, slot);
         continue;
       }
       changed_.wait_until(lock, deadline);
     }
   }
 
-  // Spin for at most spin_us, yielding the core, without the lock, until something happens.
-  void spin(std::unique_lock<std::mutex>& lock) {
-    if (spin_.count() <= 0) return;
+  // Whether a waiter may poll without taking a core from a replica still working (or from the
+  // one combining, once all have arrived): pollers and workers together fit in the cores. Where
+  // replicas outnumber cores, the early arrivals sleep and the last waiter polls on the core its
+  // own arrival freed, so that no vCPU goes idle and costs a wake-up when the results come.
+  template <typename Part, typename Result>
+  bool spare_core(const Slot<Part, Result>& slot) const {
+    if (cores_ == 0) return true;
+    const int64_t arrived = int64_t(slot.arrived_at.size());
+    const int64_t working = arrived == size_ ? 1 : size_ - arrived;
+    return slot.pollers + working < cores_;
+  }
+
+  // Spin for at most spin_us, yielding the core, without the lock, until something happens; not at
+  // all where no core is spare.
+  template <typename Part, typename Result>
+  void spin(std::unique_lock<std::mutex>& lock, Slot<Part, Result>& slot) {
+    if (spin_.count() <= 0 || !spare_core(slot)) return;
     const auto seen = events_.load(std::memory_order_acquire);
+    ++slot.pollers;
     lock.unlock();
     const auto until = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(spin_);
     while (events_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until) {
       std::this_thread::yield();
     }
     lock.lock();
+    --slot.pollers;
   }
 
   std::string where(const char* direction, int64_t call, const std::vector<int64_t>& arrived_at) const {
@@ -251,6 +272,7 @@ class ReplicaRound {
   const int64_t size_;
   const double timeout_s_;
   const std::chrono::duration<double, std::micro> spin_;
+  const int64_t cores_;
   const std::string layer_;
   const int64_t number_;
   std::mutex mutex_;

@@ -726,10 +726,12 @@ void bind_sync_batch_norm(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<ReplicaRound, std::shared_ptr<ReplicaRound>>(
       m, "ReplicaRound", "The native side of functions.replicas.ReplicaRound (src/replica_round.h)")
-      .def(py::init<int64_t, double, std::string, int64_t, double>(), py::arg("size"), py::arg("timeout"),
-           py::arg("layer"), py::arg("number"), py::arg("spin_us"))
+      .def(py::init<int64_t, double, std::string, int64_t, double, int64_t>(), py::arg("size"), py::arg("timeout"),
+           py::arg("layer"), py::arg("number"), py::arg("spin_us"), py::arg("cores") = 0)
       .def_property_readonly("size", &ReplicaRound::size)
       .def_property_readonly("spin_us", &ReplicaRound::spin_us, "How long a waiter polls before it sleeps")
+      .def_property_readonly("cores", &ReplicaRound::cores,
+                             "The CPUs the replicas share (0: unknown); waiters poll only on spare ones")
       .def("abort", &ReplicaRound::abort, py::arg("reason"), py::call_guard<py::gil_scoped_release>());
   m.def(
       "set_row_layout",

@@ -122,9 +122,11 @@ def test_spin_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(replicas, "usable_cores", lambda: 2)
     round = ReplicaRound("layer", 1, 5.0)
     members = [nn.Identity() for _ in range(3)]
-    for member, spin in zip(members, (300.0, 300.0, 50.0)):  # unset: 300 us while each has a core, else 50
+    for member in members:
         round.add(member)
-        assert round.spin_us == spin
+    assert round.spin_us == replicas.DEFAULT_SPIN_US == 300.0
+    if backend.NATIVE_ROUNDS is not None:  # the cores that decide who may poll reach the native side
+        assert round.native().cores == 2
     torch.manual_seed(0)
     x = torch.randn(5, 3, 2, 2, dtype=torch.float64)  # chunks 3, 2
     for value in ("0", "1000"):
@@ -160,6 +162,56 @@ def test_bad_spin_values(monkeypatch: pytest.MonkeyPatch) -> None:
             backend.NATIVE_ROUNDS.ReplicaRound(2, 5.0, "layer", 1, -1.0)
     monkeypatch.setenv("SYNCBN_SPIN_US", "0")
     model(torch.randn(4, 3, 2, 2))  # the next step starts clean
+
+
+def replica_mark(x: torch.Tensor) -> int:
+    """Which replica's chunk ``x`` is, where the caller wrote the index in each chunk's first value."""
+    return int(x[0, 0, 0, 0])
+
+
+class LateReplicas(nn.Module):
+    """Every replica but the first sleeps ``seconds`` before going on."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x):
+        if replica_mark(x) != 0:
+            time.sleep(self.seconds)
+        return x
+
+
+class MeetingCpuTime(nn.Module):
+    """``layer``, recording the CPU time its call took on each replica's thread."""
+
+    def __init__(self, layer: nn.Module, seen: dict) -> None:
+        super().__init__()
+        self.layer, self.seen = layer, seen
+
+    def forward(self, x):
+        start = time.thread_time()
+        y = self.layer(x)
+        self.seen[replica_mark(x)] = time.thread_time() - start
+        return y
+
+
+@pytest.mark.skipif(backend.NATIVE_ROUNDS is None, reason="the native meeting decides who polls")
+@pytest.mark.parametrize("replicas_count, cores, polls", [(2, 1, False), (2, 2, True), (3, 2, False), (3, 3, True)])
+def test_waiters_poll_only_on_spare_cores(monkeypatch: pytest.MonkeyPatch, replicas_count: int, cores: int, polls: bool) -> None:
+    # The first replica waits 0.4 s for the others. It may poll (burning its core's time, here up
+    # to a second) only where the replicas still working leave a core spare: with 3 replicas on 2
+    # cores, the 2 still working need both, so it sleeps at once.
+    monkeypatch.setenv("SYNCBN_SPIN_US", "1000000")
+    monkeypatch.setattr(replicas, "usable_cores", lambda: cores)
+    seen: dict = {}
+    model = nn.Sequential(LateReplicas(0.4), MeetingCpuTime(NN.SyncBatchNorm2d(3), seen)).double()
+    x = torch.randn(3 * replicas_count, 3, 2, 2, dtype=torch.float64)
+    x[::3, 0, 0, 0] = torch.arange(replicas_count, dtype=torch.float64)  # chunks of 3: the replica's index first
+    with torch.no_grad():
+        y = ThreadedDataParallel(model, ["cpu"] * replicas_count)(x)
+    torch.testing.assert_close(y, nn.BatchNorm2d(3).double()(x), rtol=0, atol=1e-12)
+    assert (seen[0] > 0.1) == polls, f"the first replica's meeting took {seen[0]:.3f} s of CPU time"
 
 
 def test_later_layer_failure_keeps_earlier_update() -> None:
