@@ -6,6 +6,7 @@
 // timeout or an abort from Python breaks the round and wakes every waiter at once.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -52,6 +53,8 @@ class ReplicaRound {
 
   static constexpr double kMaxTimeout = 1e9;  // seconds: a deadline in nanoseconds stays in int64
   static constexpr double kMaxSpin = 1e6;     // microseconds: a second of polling is already no sleep
+  // How long a waiter polls on a core that a replica still working needs (at most spin_us).
+  static constexpr std::chrono::duration<double, std::micro> kSharedSpin{50.0};
 
   int64_t size() const { return size_; }
   double spin_us() const { return spin_.count(); }
@@ -210,10 +213,11 @@ class ReplicaRound {
     }
   }
 
-  // Whether a waiter may poll without taking a core from a replica still working (or from the
-  // one combining, once all have arrived): pollers and workers together fit in the cores. Where
-  // replicas outnumber cores, the early arrivals sleep and the last waiter polls on the core its
-  // own arrival freed, so that no vCPU goes idle and costs a wake-up when the results come.
+  // Whether a waiter may poll long without taking a core from a replica still working (or from
+  // the one combining, once all have arrived): pollers and workers together fit in the cores.
+  // Where replicas outnumber cores, the early arrivals poll briefly and sleep, and the last waiter
+  // polls long on the core its own arrival freed, so that no vCPU goes idle and costs a wake-up
+  // when the results come.
   template <typename Part, typename Result>
   bool spare_core(const Slot<Part, Result>& slot) const {
     if (cores_ == 0) return true;
@@ -222,20 +226,23 @@ class ReplicaRound {
     return slot.pollers + working < cores_;
   }
 
-  // Spin for at most spin_us, yielding the core, without the lock, until something happens; not at
-  // all where no core is spare.
+  // Spin, yielding the core, without the lock, until something happens: for at most spin_us where
+  // a core is spare, else for at most kSharedSpin (its yields give way to the replicas working on
+  // that core; a short poll still spares a wake-up where the others are about to arrive).
   template <typename Part, typename Result>
   void spin(std::unique_lock<std::mutex>& lock, Slot<Part, Result>& slot) {
-    if (spin_.count() <= 0 || !spare_core(slot)) return;
+    const bool spare = spare_core(slot);
+    const auto length = spare ? spin_ : std::min(spin_, kSharedSpin);
+    if (length.count() <= 0) return;
     const auto seen = events_.load(std::memory_order_acquire);
-    ++slot.pollers;
+    if (spare) ++slot.pollers;
     lock.unlock();
-    const auto until = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(spin_);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(length);
     while (events_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until) {
       std::this_thread::yield();
     }
     lock.lock();
-    --slot.pollers;
+    if (spare) --slot.pollers;
   }
 
   std::string where(const char* direction, int64_t call, const std::vector<int64_t>& arrived_at) const {

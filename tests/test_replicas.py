@@ -199,9 +199,9 @@ class MeetingCpuTime(nn.Module):
 @pytest.mark.skipif(backend.NATIVE_ROUNDS is None, reason="the native meeting decides who polls")
 @pytest.mark.parametrize("replicas_count, cores, polls", [(2, 1, False), (2, 2, True), (3, 2, False), (3, 3, True)])
 def test_waiters_poll_only_on_spare_cores(monkeypatch: pytest.MonkeyPatch, replicas_count: int, cores: int, polls: bool) -> None:
-    # The first replica waits 0.4 s for the others. It may poll (burning its core's time, here up
-    # to a second) only where the replicas still working leave a core spare: with 3 replicas on 2
-    # cores, the 2 still working need both, so it sleeps at once.
+    # The first replica waits 0.4 s for the others. It may poll long (burning its core's time, here
+    # up to a second) only where the replicas still working leave a core spare: with 3 replicas on
+    # 2 cores, the 2 still working need both, so it polls 50 us at most and sleeps.
     monkeypatch.setenv("SYNCBN_SPIN_US", "1000000")
     monkeypatch.setattr(replicas, "usable_cores", lambda: cores)
     seen: dict = {}
