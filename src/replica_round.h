@@ -38,7 +38,7 @@ std::string failure_reason(int64_t index, const std::exception_ptr& error);
 
 class ReplicaRound {
  public:
-  // `cores`: the CPUs the replicas share (0: unknown, every waiter may poll).
+  // `cores`: the CPUs the replicas share (0: unknown, every waiter may poll for spin_us).
   ReplicaRound(int64_t size, double timeout_s, std::string layer, int64_t number, double spin_us, int64_t cores)
       : size_(size), timeout_s_(timeout_s), spin_(std::chrono::duration<double, std::micro>(spin_us)),
         cores_(cores), layer_(std::move(layer)), number_(number) {
@@ -116,7 +116,7 @@ class ReplicaRound {
     const std::function<std::vector<Result>(std::vector<Part>&)>* combine = nullptr;  // the master's
     std::exception_ptr combine_error;  // what the master's combine raised, for the master to raise
     bool combining = false;            // the combine runs (outside the lock): the master must not leave
-    int64_t pollers = 0;               // waiters polling now (see spare_core)
+    int64_t pollers = 0;               // waiters polling long now, on spare cores (see spare_core)
   };
 
   // By the last replica to arrive (the lock held): the master's combine over every part, then the
@@ -179,10 +179,9 @@ class ReplicaRound {
     signal();
   }
 
-  // Wait (the lock held) until ready(), a failure or the deadline. A short spin first, without the
-  // lock, where a core is spare: on a VM, waking a thread whose vCPU went idle costs more than the
-  // other replica's post. Woken when the last replica arrives, spin again while it combines (where
-  // a core is spare), whose results are near.
+  // Wait (the lock held) until ready(), a failure or the deadline. A spin first, without the lock
+  // (see spin): on a VM, waking a thread whose vCPU went idle costs more than the other replica's
+  // post. Woken when the last replica arrives, spin again while it combines, whose results are near.
   // Once every replica has arrived the combine decides, so the deadline is extended once: a
   // replica must not give up on a result that is about to be published.
   template <typename Part, typename Result, typename Ready>

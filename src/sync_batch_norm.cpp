@@ -731,7 +731,7 @@ void bind_sync_batch_norm(pybind11::module_& m) {
       .def_property_readonly("size", &ReplicaRound::size)
       .def_property_readonly("spin_us", &ReplicaRound::spin_us, "How long a waiter polls before it sleeps")
       .def_property_readonly("cores", &ReplicaRound::cores,
-                             "The CPUs the replicas share (0: unknown); waiters poll only on spare ones")
+                             "The CPUs the replicas share (0: unknown); waiters poll long only on spare ones")
       .def("abort", &ReplicaRound::abort, py::arg("reason"), py::call_guard<py::gil_scoped_release>());
   m.def(
       "set_row_layout",
