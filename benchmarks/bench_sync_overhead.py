@@ -58,7 +58,8 @@ from torch.utils import benchmark
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from bench_cpu import cpu_model, fused_step, interleaved_medians, publish  # noqa: E402
+from bench_cpu import cpu_model, interleaved_medians, publish  # noqa: E402
+from bench_toolchain import FIXED_COST_SHAPE, fixed_cost_steps  # noqa: E402
 from functions import backend, checks, distributed  # noqa: E402
 from functions.replicas import ReplicaRound  # noqa: E402
 from helpers import BasicBlock  # noqa: E402
@@ -328,9 +329,8 @@ def free_collectives_row(min_run_time: float, rounds: int) -> dict[str, float]:
 def lone_replica_row(min_run_time: float, rounds: int) -> dict[str, float]:
     """Seconds of forward + backward of nn.BatchNorm2d and of our SyncBatchNorm2d as a lone
     replica (no wrapper, no process group: nothing to meet), taken in turn."""
-    x = torch.randn(2, 64, 4, 4, requires_grad=True)
-    dy = torch.randn_like(x)
-    steps = {"torch": fused_step(nn.BatchNorm2d(64), x, None, dy), "ours": fused_step(NN.SyncBatchNorm2d(64), x, None, dy)}
+    channels = FIXED_COST_SHAPE[1]
+    steps = fixed_cost_steps(torch=nn.BatchNorm2d(channels), ours=NN.SyncBatchNorm2d(channels))
     return {name: ms * 1e-3 for name, ms in interleaved_medians(steps, min_run_time * rounds, rounds).items()}
 
 
@@ -415,7 +415,7 @@ def main() -> None:
         print(lines[-1], flush=True)
     lone = lone_replica_row(min_run_time, rounds)
     lines.append(
-        f"| a lone replica (no wrapper, no process group), forward + backward of (2, 64, 4, 4) | {us(lone['ours'])} | "
+        f"| a lone replica (no wrapper, no process group), forward + backward of {FIXED_COST_SHAPE} | {us(lone['ours'])} | "
         f"{us(lone['torch'])} (`nn.BatchNorm2d` alone) | {lone['ours'] * 1e6 - lone['torch'] * 1e6:+.1f}: our fixed cost |"
     )
     print(lines[-1], flush=True)

@@ -33,26 +33,29 @@ from helpers import SmallResNet  # noqa: E402
 from modules import nn as NN  # noqa: E402
 
 BEGIN, END = "<!-- bench_toolchain:begin -->", "<!-- bench_toolchain:end -->"
+FIXED_COST_SHAPE = (2, 64, 4, 4)
+
+
+def fixed_cost_steps(**layers: nn.Module) -> dict:
+    """Forward + backward (input, weight and bias gradients) of each of ``layers`` on one
+    FIXED_COST_SHAPE float32 input, where the time is the Python and dispatch around the kernels."""
+    x = torch.randn(*FIXED_COST_SHAPE, requires_grad=True)
+    dy = torch.randn_like(x)
+    return {name: fused_step(layer, x, None, dy) for name, layer in layers.items()}
 
 
 def fixed_cost_rows(min_run_time: float) -> list[str]:
     """nn.BatchNorm2d against our layer through the route the measured table picks at this size
     (torch's kernel: what the fixed cost of our module is) and forced through our kernels."""
-    x = torch.randn(2, 64, 4, 4, requires_grad=True)
-    dy = torch.randn_like(x)
-    theirs, ours = nn.BatchNorm2d(64), NN.BatchNorm2d(64)
-
+    ours = NN.BatchNorm2d(FIXED_COST_SHAPE[1])
+    steps = fixed_cost_steps(torch=nn.BatchNorm2d(FIXED_COST_SHAPE[1]), ours=ours)
     times = interleaved_medians(
-        {
-            "torch": fused_step(theirs, x, None, dy),
-            "measured": routed("measured", fused_step(ours, x, None, dy)),
-            "ours": routed("ours", fused_step(ours, x, None, dy)),
-        },
+        {"torch": steps["torch"], "measured": routed("measured", steps["ours"]), "ours": routed("ours", steps["ours"])},
         min_run_time,
     )
     times = {name: ms * 1e3 for name, ms in times.items()}
     return [
-        f"| (2, 64, 4, 4) float32, forward+backward, {what} | {times['torch']:.1f} | {times[route]:.1f} | "
+        f"| {FIXED_COST_SHAPE} float32, forward+backward, {what} | {times['torch']:.1f} | {times[route]:.1f} | "
         f"{times[route] - times['torch']:+.1f} us |"
         for route, what in [("measured", "the measured route (torch's kernel here)"), ("ours", "forced through our kernels")]
     ]
