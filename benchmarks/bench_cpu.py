@@ -32,7 +32,7 @@ import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 from torch import nn
@@ -47,6 +47,7 @@ from modules.parallel import ThreadedDataParallel  # noqa: E402
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 BEGIN, END = "<!-- bench_cpu:begin -->", "<!-- bench_cpu:end -->"
 FUSED_BEGIN, FUSED_END = "<!-- bench_cpu_fused:begin -->", "<!-- bench_cpu_fused:end -->"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -239,6 +240,59 @@ def report(times: list[str], memory: list[str], bandwidth: float, min_run_time: 
         *memory,
         END,
     ])
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(stolen, all) clock ticks of the machine's CPUs since boot, from /proc/stat's first line
+    (user nice system idle iowait irq softirq steal ...; guest time is counted in user already);
+    None where unknown."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    ticks = [int(value) for value in fields[1:9]]
+    return ticks[7], sum(ticks)
+
+
+class StolenShare:
+    """Within a ``with`` block, the share of the machine's CPU time that the hypervisor gave to
+    other guests (steal time): ``share``, 0 to 1, None where /proc/stat does not say. A VM's
+    timings are comparable only between spells of like steal."""
+
+    share: float | None = None
+
+    def __enter__(self) -> "StolenShare":
+        self._start = _cpu_ticks()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        end = _cpu_ticks()
+        if self._start is not None and end is not None and end[1] > self._start[1]:
+            self.share = (end[0] - self._start[0]) / (end[1] - self._start[1])
+
+
+def least_stolen(measure: Callable[[], T], tries: int = 2, calm: float = 0.05) -> tuple[T, float | None]:
+    """``measure()``, taken again (``tries`` in all) while the hypervisor stole more than ``calm``
+    of the CPU time during it: the result of the least stolen try, with its stolen share. Every
+    contender of a row is in each try, so a retry favours none of them."""
+    best: tuple[T, float | None] | None = None
+    for _ in range(tries):
+        with StolenShare() as stolen:
+            result = measure()
+        if best is None or (stolen.share is not None and (best[1] is None or stolen.share < best[1])):
+            best = (result, stolen.share)
+        if stolen.share is None or stolen.share <= calm:
+            break
+    assert best is not None
+    return best
+
+
+def stolen_text(share: float | None) -> str:
+    """A stolen share as a row prints it: "3%", or "?" where unknown."""
+    return "?" if share is None else f"{share:.0%}"
 
 
 def cpu_model() -> str:
