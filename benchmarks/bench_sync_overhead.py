@@ -76,7 +76,12 @@ from testkit.local_group import run_local_group  # noqa: E402
 
 SHAPE = (8, 8, 4, 4)
 DEEP = 16
-BEGIN, END = "<!-- bench_sync_overhead: begin -->", "<!-- bench_sync_overhead: end -->"
+
+
+def markers(capability: str) -> tuple[str, str]:
+    """RESULTS.md keeps one section per CPU capability (the AVX2 AMD and the AVX-512 Intel machines
+    differ), as bench_lone_replica.py does per backend."""
+    return f"<!-- bench_sync_overhead:{capability.lower()}: begin -->", f"<!-- bench_sync_overhead:{capability.lower()}: end -->"
 
 
 def stack(layer: type, depth: int) -> nn.Module:
@@ -353,8 +358,9 @@ def main() -> None:
     replica_counts = (2, 4) if args.quick else (2, 4, 8)
     worlds = (2,) if args.quick else (2, 4)
     min_run_time, rounds = (0.3, 3) if args.quick else (0.5, 5)
+    begin, end = markers(torch.backends.cpu.get_cpu_capability())
     lines = [
-        BEGIN,
+        begin,
         "## What synchronizing costs per layer (bench_sync_overhead.py)",
         "",
         f"Machine: {os.cpu_count()}-core {cpu_model()} ({torch.backends.cpu.get_cpu_capability()}) VM, no GPU; torch "
@@ -434,9 +440,9 @@ def main() -> None:
     lines += ["", "The bare Python exchange (`ReplicaRound.exchange`, R threads, a combine that sums ints), per exchange:", ""]
     exchanges, stolen = least_stolen(lambda: {r: bare_exchange(r) for r in replica_counts})
     lines.append(" ".join(f"{r} threads: {us(t)} us;" for r, t in exchanges.items()).rstrip(";") + f" (CPU stolen {stolen_text(stolen)})")
-    lines.append(END)
+    lines.append(end)
     section = "\n".join(lines)
-    publish(section, not args.no_write, BEGIN, END)
+    publish(section, not args.no_write, begin, end)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Pictures of the main benchmark figures, drawn from the tables in ``benchmarks/RESULTS.md``.
 
 Each benchmark script writes its section of RESULTS.md between markers such as
-``<!-- bench_sync_overhead: begin -->`` and ``<!-- bench_sync_overhead: end -->`` (older sections
-spell them ``<!-- bench_cpu:begin -->``). This script reads the tables of these sections and
-writes one PNG per figure into ``docs/img/`` (shown by ``docs/performance.md``):
+``<!-- bench_memory: begin -->`` and ``<!-- bench_memory: end -->`` (older sections spell them
+``<!-- bench_cpu:begin -->``; ``bench_sync_overhead`` keeps one section per CPU capability,
+``<!-- bench_sync_overhead:avx2: begin -->``, and the first one is drawn). This script reads the
+tables of these sections and writes one PNG per figure into ``docs/img/`` (shown by
+``docs/performance.md``):
 
 - ``sync_overhead.png``: what synchronizing adds per layer, thread replicas, native meeting
   against the Python exchange (``bench_sync_overhead``);
@@ -42,6 +44,12 @@ def sections(text: str) -> dict[str, str]:
         elif name in opened:
             found[name] = text[opened.pop(name):match.start()]
     return found
+
+
+def first_section(found: dict[str, str], name: str) -> str | None:
+    """The section ``name``, or the first of its keyed ones (``bench_sync_overhead:avx2``: one per
+    CPU capability), or None."""
+    return next((text for key, text in found.items() if key == name or key.startswith(name + ":")), None)
 
 
 def tables(section: str) -> list[list[dict[str, str]]]:
@@ -235,10 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     found = sections(args.results.read_text(encoding="utf-8"))
     args.out.mkdir(parents=True, exist_ok=True)
     for name, plot in PLOTS.items():
-        if name not in found:
+        section = first_section(found, name)
+        if section is None:
             print(f"plots.py: no section {name} in {args.results}; skipped")
             continue
-        path = plot(plt, found[name], args.out)
+        path = plot(plt, section, args.out)
         print(f"plots.py: wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
     return 0
 
