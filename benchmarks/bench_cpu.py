@@ -47,6 +47,12 @@ from modules.parallel import ThreadedDataParallel  # noqa: E402
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 BEGIN, END = "<!-- bench_cpu:begin -->", "<!-- bench_cpu:end -->"
 FUSED_BEGIN, FUSED_END = "<!-- bench_cpu_fused:begin -->", "<!-- bench_cpu_fused:end -->"
+
+
+def keyed_markers(name: str, key: str) -> tuple[str, str]:
+    """The markers of benchmark ``name``'s section for ``key`` (a backend, a CPU capability), where
+    RESULTS.md keeps one section per key so that each machine's run stays beside the others."""
+    return f"<!-- {name}:{key}:begin -->", f"<!-- {name}:{key}:end -->"
 T = TypeVar("T")
 
 

@@ -33,6 +33,7 @@ from bench_cpu import (  # noqa: E402
     fused_step,
     interleaved_medians,
     keep_freed_blocks,
+    keyed_markers,
     machine_line,
     write_results,
 )
@@ -130,7 +131,7 @@ def table_source(table: dict[LoneCase, int | None]) -> str:
 
 
 def section(backend: str, table_code: str, rows: list[str], bandwidth: float, min_run_time: float, allocator: str) -> str:
-    begin, end = markers(backend)
+    begin, end = keyed_markers("bench_lone_replica", backend)
     return "\n".join([
         begin,
         f"## CPU: which kernels serve a lone replica, `{backend}` (`bench_lone_replica.py`)",
@@ -156,10 +157,6 @@ def section(backend: str, table_code: str, rows: list[str], bandwidth: float, mi
     ])
 
 
-def markers(backend: str) -> tuple[str, str]:
-    return f"<!-- bench_lone_replica:{backend}:begin -->", f"<!-- bench_lone_replica:{backend}:end -->"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
@@ -176,7 +173,7 @@ def main() -> None:
     code = table_source(table)
     print(code)
     if not args.no_write:
-        write_results(section(backend, code, rows, bandwidth, args.min_run_time, allocator), *markers(backend))
+        write_results(section(backend, code, rows, bandwidth, args.min_run_time, allocator), *keyed_markers("bench_lone_replica", backend))
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ from torch.utils import benchmark
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from bench_cpu import cpu_model, interleaved_medians, least_stolen, publish, stolen_text  # noqa: E402
+from bench_cpu import cpu_model, interleaved_medians, keyed_markers, least_stolen, publish, stolen_text  # noqa: E402
 from bench_toolchain import FIXED_COST_SHAPE, fixed_cost_steps  # noqa: E402
 from functions import backend, checks, distributed  # noqa: E402
 from functions.replicas import ReplicaRound  # noqa: E402
@@ -76,12 +76,6 @@ from testkit.local_group import run_local_group  # noqa: E402
 
 SHAPE = (8, 8, 4, 4)
 DEEP = 16
-
-
-def markers(capability: str) -> tuple[str, str]:
-    """RESULTS.md keeps one section per CPU capability (the AVX2 AMD and the AVX-512 Intel machines
-    differ), as bench_lone_replica.py does per backend."""
-    return f"<!-- bench_sync_overhead:{capability.lower()}: begin -->", f"<!-- bench_sync_overhead:{capability.lower()}: end -->"
 
 
 def stack(layer: type, depth: int) -> nn.Module:
@@ -358,12 +352,13 @@ def main() -> None:
     replica_counts = (2, 4) if args.quick else (2, 4, 8)
     worlds = (2,) if args.quick else (2, 4)
     min_run_time, rounds = (0.3, 3) if args.quick else (0.5, 5)
-    begin, end = markers(torch.backends.cpu.get_cpu_capability())
+    capability = torch.backends.cpu.get_cpu_capability()
+    begin, end = keyed_markers("bench_sync_overhead", capability.lower())  # AVX2 and AVX-512 machines differ
     lines = [
         begin,
         "## What synchronizing costs per layer (bench_sync_overhead.py)",
         "",
-        f"Machine: {os.cpu_count()}-core {cpu_model()} ({torch.backends.cpu.get_cpu_capability()}) VM, no GPU; torch "
+        f"Machine: {os.cpu_count()}-core {cpu_model()} ({capability}) VM, no GPU; torch "
         f"{torch.__version__}; {time.strftime('%Y-%m-%d')}. Per layer = (16 layers - 1 layer) / 15, forward + "
         f"backward of a {SHAPE} float32 input (requires grad), microseconds; one intra-op thread. CPU stolen: the "
         f"share of the VM's CPU time that the hypervisor gave to other guests while the row ran (/proc/stat); a row is "

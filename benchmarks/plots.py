@@ -3,7 +3,7 @@
 Each benchmark script writes its section of RESULTS.md between markers such as
 ``<!-- bench_memory: begin -->`` and ``<!-- bench_memory: end -->`` (older sections spell them
 ``<!-- bench_cpu:begin -->``; ``bench_sync_overhead`` keeps one section per CPU capability,
-``<!-- bench_sync_overhead:avx2: begin -->``, and the first one is drawn). This script reads the
+``<!-- bench_sync_overhead:avx2:begin -->``, and the first one is drawn). This script reads the
 tables of these sections and writes one PNG per figure into ``docs/img/`` (shown by
 ``docs/performance.md``):
 
