@@ -158,23 +158,31 @@ class MeetingNoOne(NN.SyncBatchNorm2d):
         return None, None
 
 
-def meeting_no_one(model: nn.Module) -> nn.Module:
+def with_layers_of(model: nn.Module, kind: type) -> nn.Module:
+    """``model`` with each of its synchronized layers made a ``kind`` (a subclass)."""
     for layer in model.modules():
         if isinstance(layer, NN.SyncBatchNorm2d):
-            layer.__class__ = MeetingNoOne
+            layer.__class__ = kind
     return model
 
 
-def resnet_row(replicas: int, steps: int, threads: int = 1) -> dict[str, float]:
+def meeting_no_one(model: nn.Module) -> nn.Module:
+    return with_layers_of(model, MeetingNoOne)
+
+
+def resnet_row(replicas: int, steps: int, threads: int = 1, variants: dict[str, type] | None = None) -> dict[str, float]:
     """Seconds of one training step of the small ResNet under R thread replicas (medians of
     ``steps`` alternating steps): converted (ours, meeting natively), converted with layers that
-    meet no one (:class:`MeetingNoOne`), unsynced."""
+    meet no one (:class:`MeetingNoOne`), unsynced, and the converted net with its layers made of
+    each of ``variants``' classes."""
     torch.manual_seed(0)
     timers = {
         "ours": resnet_step(NN.convert_sync_batchnorm(small_resnet()), replicas, threads),
         "alone": resnet_step(meeting_no_one(NN.convert_sync_batchnorm(small_resnet())), replicas, threads),
         "torch": resnet_step(small_resnet(), replicas, threads),
     }
+    for key, kind in (variants or {}).items():
+        timers[key] = resnet_step(with_layers_of(NN.convert_sync_batchnorm(small_resnet()), kind), replicas, threads)
     return alternating(timers, steps)
 
 

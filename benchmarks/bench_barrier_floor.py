@@ -1,0 +1,290 @@
+"""What a barrier alone costs on this machine: the floor under the price of a meeting.
+
+Replicas that meet at every synchronized layer wait, at each meeting, for the slowest of them.
+Where replicas of equal work run on cores whose speed varies (a VM's vCPUs share the host's cores
+with other guests), that wait costs time even when the meeting itself costs nothing. This
+benchmark measures that floor twice, each time against our meeting:
+
+- in the small ResNet of ``bench_sync_overhead.py`` (17 batch norms: 34 meetings a step), one
+  training step under R thread replicas (``ThreadedDataParallel``), five contenders alternating
+  step by step: converted (our meeting), converted with each layer's replicas waiting at a
+  minimal barrier where they would meet (:class:`MeetingAtABarrier`, whose waiters poll, and
+  :class:`MeetingAtASleepingBarrier`: before the statistics in the forward, after the layer's
+  backward; nothing exchanged, each replica normalizing its own chunk), converted with layers
+  that meet no one, and unsynced. Against meeting no one, the cheaper of the two barriers gives
+  the floor for this net and our meetings their price;
+- R native threads (no GIL), each doing the same fixed torch work a round (``at::mm`` of two
+  n x n float32 matrices, one intra-op thread), n chosen so that a round takes the CPU time a
+  ResNet replica spends between two meetings (the step meeting no one, times the cores the
+  replicas share, over R, over 34). The rounds run in blocks, four ways taken in turn block by
+  block: independent (no meeting), the minimal barrier polling, sleeping, and our ``ReplicaRound``
+  (src/replica_round.h: our layer's native meeting, its polls, sleeps and wake-ups, with a
+  combine that does nothing); a block's time is its slowest thread's.
+
+The minimal barrier is an atomic count and nothing else: its waiters poll, yielding their core,
+and never sleep (no wake-up to pay, but where replicas outnumber cores a poll takes turns with a
+replica still working), or sleep at once (the core left to the others, a wake-up to pay).
+
+    python benchmarks/bench_barrier_floor.py [--quick] [--no-write]
+
+The native part is built with ``torch.utils.cpp_extension.load_inline`` on the first run (about
+a minute; cached afterwards).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+
+import torch
+from torch.utils import cpp_extension
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_cpu import cpu_model, keyed_markers, least_stolen, publish, stolen_text  # noqa: E402
+from bench_sync_overhead import MeetingNoOne, resnet_row  # noqa: E402
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+MEETINGS = 34  # the small ResNet's meetings a step: 17 layers, forward and backward
+WAYS = ("independent", "polling", "sleeping", "ReplicaRound")
+
+NATIVE = r"""
+#include <torch/extension.h>
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include "replica_round.h"
+
+namespace syncbn {
+std::string failure_reason(int64_t index, const std::exception_ptr&) {
+  return "replica " + std::to_string(index) + " failed";
+}
+}  // namespace syncbn
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Every thread waits here until all have arrived, and nothing is exchanged: the least a meeting
+// can cost. Its waiters poll, yielding their core (no wake-up, but a poll takes turns with a
+// thread still working on that core), or sleep at once (a core left to the others, but a wake-up
+// to pay). A wait longer than a minute raises: a benchmark's failed replica must not hang the rest.
+class MinimalBarrier {
+ public:
+  MinimalBarrier(int64_t size, bool sleeps) : size_(size), sleeps_(sleeps) {}
+  void wait() {
+    std::unique_lock<std::mutex> lock(mutex_, std::defer_lock);
+    if (sleeps_) lock.lock();
+    const int64_t generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == size_ - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_acq_rel);
+      if (sleeps_) changed_.notify_all();
+      return;
+    }
+    const auto deadline = Clock::now() + std::chrono::seconds(60);
+    const auto passed = [&] { return generation_.load(std::memory_order_acquire) != generation; };
+    if (sleeps_) {
+      TORCH_CHECK(changed_.wait_until(lock, deadline, passed), "MinimalBarrier: a thread did not arrive within a minute");
+      return;
+    }
+    while (!passed()) {
+      TORCH_CHECK(Clock::now() < deadline, "MinimalBarrier: a thread did not arrive within a minute");
+      std::this_thread::yield();
+    }
+  }
+
+ private:
+  const int64_t size_;
+  const bool sleeps_;
+  std::atomic<int64_t> arrived_{0}, generation_{0};
+  std::mutex mutex_;
+  std::condition_variable changed_;
+};
+
+std::unique_ptr<MinimalBarrier> layer_barriers[2];  // what at_the_barrier waits at: polling, sleeping
+
+// The identity, waiting at a layer barrier in the forward and in the backward: where a replica of
+// a synchronized layer meets the others, the meeting without any exchange or merge.
+struct AtTheBarrier : torch::autograd::Function<AtTheBarrier> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, bool sleeps) {
+    ctx->saved_data["sleeps"] = sleeps;
+    layer_barriers[sleeps]->wait();
+    return x;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    layer_barriers[ctx->saved_data["sleeps"].toBool()]->wait();
+    return {grads[0], at::Tensor()};
+  }
+};
+
+}  // namespace
+
+void set_layer_barriers(int64_t size) {
+  layer_barriers[0] = std::make_unique<MinimalBarrier>(size, false);
+  layer_barriers[1] = std::make_unique<MinimalBarrier>(size, true);
+}
+
+at::Tensor at_the_barrier(const at::Tensor& x, bool sleeps) {
+  pybind11::gil_scoped_release no_gil;
+  return AtTheBarrier::apply(x, sleeps);
+}
+
+// Seconds per round of `threads` threads doing one n x n mm a round, for each way (independent,
+// the minimal barrier polling, the minimal barrier sleeping, ReplicaRound): per cycle and way, a block of `rounds` rounds, the slowest
+// thread's time counting; summed over the cycles.
+std::vector<double> barrier_floor(int64_t threads, int64_t n, int64_t rounds, int64_t cycles, int64_t cores,
+                                  double spin_us) {
+  pybind11::gil_scoped_release no_gil;
+  MinimalBarrier start(threads, false), polling(threads, false), sleeping(threads, true);
+  syncbn::ReplicaRound round(threads, 600.0, "barrier_floor", 0, spin_us, cores);
+  const std::function<std::vector<int64_t>(std::vector<int64_t>&)> combine = [](std::vector<int64_t>& parts) {
+    return parts;
+  };
+  std::vector<std::vector<double>> seconds(4, std::vector<double>(threads * cycles, 0.0));
+  auto work = [&](int64_t index) {
+    at::set_num_threads(1);
+    const auto a = at::randn({n, n}), b = at::randn({n, n});
+    auto c = at::empty({n, n});
+    int64_t call = 0;
+    for (int64_t cycle = 0; cycle < cycles; ++cycle) {
+      for (int way = 0; way < 4; ++way) {
+        start.wait();
+        const auto begin = Clock::now();
+        for (int64_t r = 0; r < rounds; ++r) {
+          at::mm_out(c, a, b);
+          if (way == 1) polling.wait();
+          if (way == 2) sleeping.wait();
+          if (way == 3) round.exchange<int64_t, int64_t>("forward", call++, index, index, combine);
+        }
+        seconds[way][cycle * threads + index] = std::chrono::duration<double>(Clock::now() - begin).count();
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int64_t i = 0; i < threads; ++i) pool.emplace_back(work, i);
+  for (auto& t : pool) t.join();
+  std::vector<double> per_round(4, 0.0);
+  for (int way = 0; way < 4; ++way) {
+    for (int64_t cycle = 0; cycle < cycles; ++cycle) {
+      double slowest = 0;
+      for (int64_t i = 0; i < threads; ++i) slowest = std::max(slowest, seconds[way][cycle * threads + i]);
+      per_round[way] += slowest / double(rounds * cycles);
+    }
+  }
+  return per_round;
+}
+"""
+
+
+@functools.cache
+def native():
+    """The compiled module (built once, then cached by torch.utils.cpp_extension)."""
+    return cpp_extension.load_inline(
+        "syncbn_barrier_floor", NATIVE, functions=["barrier_floor", "set_layer_barriers", "at_the_barrier"], extra_include_paths=[SRC],
+        extra_cflags=["-O2"], verbose=False,
+    )
+
+
+class MeetingAtABarrier(MeetingNoOne):
+    """Our layer whose replicas wait for each other at a minimal barrier where they would meet
+    (before the statistics in the forward, after the layer's backward) and exchange nothing,
+    each normalizing its own chunk: a meeting that costs only the wait. Its waiters poll."""
+
+    sleeps = False
+
+    def forward(self, input: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(native().at_the_barrier(input, self.sleeps), z)
+
+
+class MeetingAtASleepingBarrier(MeetingAtABarrier):
+    """The same, its waiters sleeping at once."""
+
+    sleeps = True
+
+
+def mm_size_for(seconds: float) -> int:
+    """The n whose n x n float32 mm takes about ``seconds`` on one thread here."""
+    def mm_time(n: int) -> float:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        torch.mm(a, b)
+        start = time.perf_counter()
+        for _ in range(20):
+            torch.mm(a, b)
+        return (time.perf_counter() - start) / 20
+
+    n = 128
+    for _ in range(3):  # the time grows as n cubed: two corrections land close
+        n = max(16, round(n * (seconds / mm_time(n)) ** (1 / 3)))
+    return n
+
+
+def floor_row(replicas: int, segment: float, rounds: int, cycles: int) -> dict[str, float]:
+    """Seconds per round for each way, R threads, one mm of about ``segment`` seconds a round."""
+    cores = os.cpu_count() or 0
+    spin_us = float(os.environ.get("SYNCBN_SPIN_US", 300))  # as our layer's rounds (functions.replicas)
+    n = mm_size_for(segment)
+    per_round = native().barrier_floor(replicas, n, rounds, cycles, cores, spin_us)
+    return {"n": n, **dict(zip(WAYS, per_round))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
+    parser.add_argument("--no-write", action="store_true", help="print, do not touch RESULTS.md")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each row, taken in turn")
+    parser.add_argument("--rounds", type=int, default=20, help="rounds a block")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    native()  # built before anything is timed
+    steps, cycles = (60, 20) if args.quick else (200, 60)
+    cores = os.cpu_count() or 1
+    capability = torch.backends.cpu.get_cpu_capability()
+    begin, end = keyed_markers("bench_barrier_floor", capability.lower())
+    lines = [
+        begin,
+        "## What a barrier alone costs (bench_barrier_floor.py)",
+        "",
+        f"Machine: {cores}-core {cpu_model()} ({capability}) VM, no GPU; torch {torch.__version__}; "
+        f"{time.strftime('%Y-%m-%d')}. The small ResNet of bench_sync_overhead.py (17 batch norms, 34 meetings a "
+        f"step), one training step under R thread replicas, one intra-op thread, {steps} steps of each contender "
+        f"alternating, medians: converted (our meeting); its layers waiting where they would meet at a minimal "
+        f"barrier (exchanging nothing) whose waiters poll, or sleep; its layers meeting no one; unsynced. Ratios "
+        f"against meeting no one. Then R native threads doing one n x n float32 mm a round, a round taking the CPU "
+        f"time a replica spends between two meetings (the step meeting no one x {min(cores, 2)} cores / R / "
+        f"{MEETINGS}), in blocks of {args.rounds} rounds: independent, the minimal barrier polling, sleeping, our "
+        f"ReplicaRound, in turn, {cycles} blocks each; ratios against the independent blocks.",
+        "",
+        "| R | run | ResNet: our meetings | ResNet: barriers polling | ResNet: barriers sleeping | ResNet: converted / "
+        "unsynced | mm n (a round) | mm: barrier polling | mm: barrier sleeping | mm: our ReplicaRound | CPU stolen |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    variants = {"polling": MeetingAtABarrier, "sleeping": MeetingAtASleepingBarrier}
+    for replicas in (2, 4):
+        for repeat in range(args.repeats):
+            def measure() -> tuple[dict, dict]:
+                native().set_layer_barriers(replicas)
+                step = resnet_row(replicas, steps, variants=variants)
+                segment = step["alone"] * min(cores, replicas) / replicas / MEETINGS
+                return step, floor_row(replicas, segment, args.rounds, cycles)
+
+            (step, floor), stolen = least_stolen(measure)
+            ratios = [step[key] / step["alone"] for key in ("ours", "polling", "sleeping")]
+            ratios += [step["ours"] / step["torch"]]
+            barriers = [floor[way] / floor["independent"] for way in WAYS[1:]]
+            lines.append(
+                f"| {replicas} | {repeat + 1} | " + " | ".join(f"{r:.3f}x" for r in ratios)
+                + f" | {floor['n']} ({floor['independent'] * 1e6:.0f} us) | "
+                + " | ".join(f"{r:.3f}x" for r in barriers) + f" | {stolen_text(stolen)} |"
+            )
+            print(lines[-1], flush=True)
+    lines.append(end)
+    publish("\n".join(lines), not args.no_write, begin, end)
+
+
+if __name__ == "__main__":
+    main()
