@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_cpu import cpu_model, keyed_markers, least_stolen, publish, stolen_text  # noqa: E402
 from bench_sync_overhead import MeetingNoOne, resnet_row  # noqa: E402
+from functions.replicas import ReplicaRound, usable_cores  # noqa: E402
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 MEETINGS = 34  # the small ResNet's meetings a step: 17 layers, forward and backward
@@ -135,8 +136,8 @@ at::Tensor at_the_barrier(const at::Tensor& x, bool sleeps) {
 }
 
 // Seconds per round of `threads` threads doing one n x n mm a round, for each way (independent,
-// the minimal barrier polling, the minimal barrier sleeping, ReplicaRound): per cycle and way, a block of `rounds` rounds, the slowest
-// thread's time counting; summed over the cycles.
+// the minimal barrier polling, sleeping, our ReplicaRound): per cycle and way, a block of
+// `rounds` rounds, the slowest thread's time counting; summed over the cycles.
 std::vector<double> barrier_floor(int64_t threads, int64_t n, int64_t rounds, int64_t cycles, int64_t cores,
                                   double spin_us) {
   pybind11::gil_scoped_release no_gil;
@@ -185,8 +186,8 @@ std::vector<double> barrier_floor(int64_t threads, int64_t n, int64_t rounds, in
 def native():
     """The compiled module (built once, then cached by torch.utils.cpp_extension)."""
     return cpp_extension.load_inline(
-        "syncbn_barrier_floor", NATIVE, functions=["barrier_floor", "set_layer_barriers", "at_the_barrier"], extra_include_paths=[SRC],
-        extra_cflags=["-O2"], verbose=False,
+        "syncbn_barrier_floor", NATIVE, functions=["barrier_floor", "set_layer_barriers", "at_the_barrier"],
+        extra_include_paths=[SRC], extra_cflags=["-O2"], verbose=False,
     )
 
 
@@ -224,11 +225,11 @@ def mm_size_for(seconds: float) -> int:
 
 
 def floor_row(replicas: int, segment: float, rounds: int, cycles: int) -> dict[str, float]:
-    """Seconds per round for each way, R threads, one mm of about ``segment`` seconds a round."""
-    cores = os.cpu_count() or 0
-    spin_us = float(os.environ.get("SYNCBN_SPIN_US", 300))  # as our layer's rounds (functions.replicas)
+    """Seconds per round for each way, R threads, one mm of about ``segment`` seconds a round;
+    the ReplicaRound polling and counting cores as our layer's rounds do."""
+    spin_us = ReplicaRound("barrier_floor", 1, 60.0).spin_us  # as a layer's round reads it
     n = mm_size_for(segment)
-    per_round = native().barrier_floor(replicas, n, rounds, cycles, cores, spin_us)
+    per_round = native().barrier_floor(replicas, n, rounds, cycles, usable_cores(), spin_us)
     return {"n": n, **dict(zip(WAYS, per_round))}
 
 
@@ -236,7 +237,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
     parser.add_argument("--no-write", action="store_true", help="print, do not touch RESULTS.md")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each row, taken in turn")
+    parser.add_argument("--repeats", type=int, default=3, help="runs for each number of replicas")
     parser.add_argument("--rounds", type=int, default=20, help="rounds a block")
     args = parser.parse_args()
     torch.set_num_threads(1)
