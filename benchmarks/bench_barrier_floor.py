@@ -41,13 +41,14 @@ import time
 import torch
 from torch.utils import cpp_extension
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from bench_cpu import cpu_model, keyed_markers, least_stolen, publish, stolen_text  # noqa: E402
 from bench_sync_overhead import MeetingNoOne, resnet_row  # noqa: E402
 from functions.replicas import ReplicaRound, usable_cores  # noqa: E402
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+SRC = os.path.join(ROOT, "src")
 MEETINGS = 34  # the small ResNet's meetings a step: 17 layers, forward and backward
 WAYS = ("independent", "polling", "sleeping", "ReplicaRound")
 
@@ -243,7 +244,7 @@ def main() -> None:
     torch.set_num_threads(1)
     native()  # built before anything is timed
     steps, cycles = (60, 20) if args.quick else (200, 60)
-    cores = os.cpu_count() or 1
+    cores = usable_cores()  # as the layers' rounds count them
     capability = torch.backends.cpu.get_cpu_capability()
     begin, end = keyed_markers("bench_barrier_floor", capability.lower())
     lines = [
@@ -256,8 +257,8 @@ def main() -> None:
         f"alternating, medians: converted (our meeting); its layers waiting where they would meet at a minimal "
         f"barrier (exchanging nothing) whose waiters poll, or sleep; its layers meeting no one; unsynced. Ratios "
         f"against meeting no one. Then R native threads doing one n x n float32 mm a round, a round taking the CPU "
-        f"time a replica spends between two meetings (the step meeting no one x {min(cores, 2)} cores / R / "
-        f"{MEETINGS}), in blocks of {args.rounds} rounds: independent, the minimal barrier polling, sleeping, our "
+        f"time a replica spends between two meetings (the step meeting no one x the cores the R replicas share, "
+        f"at most {cores}, / R / {MEETINGS}), in blocks of {args.rounds} rounds: independent, the minimal barrier polling, sleeping, our "
         f"ReplicaRound, in turn, {cycles} blocks each; ratios against the independent blocks.",
         "",
         "| R | run | ResNet: our meetings | ResNet: barriers polling | ResNet: barriers sleeping | ResNet: converted / "
