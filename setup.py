@@ -97,7 +97,9 @@ def sources(*patterns: str) -> list[str]:
 def cpu_extension(capability: str) -> cpp_extension.CppExtension:
     return cpp_extension.CppExtension(
         name=f"syncbn.functions._C_{capability.lower()}",
-        sources=sources("src/bindings.cpp", "src/train_forward.cpp", "src/sync_batch_norm.cpp", "src/cpu/*.cpp"),
+        sources=sources(
+            "src/bindings.cpp", "src/train_forward.cpp", "src/sync_batch_norm.cpp", "src/torch_cuda_ops.cpp", "src/cpu/*.cpp"
+        ),
         include_dirs=[os.path.join(ROOT, "src")],
         extra_compile_args={"cxx": cpu_compile_args(capability)},
         extra_link_args=[*openmp_flags(), *cxx_runtime_link_args()],

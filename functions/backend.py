@@ -6,12 +6,13 @@ The dispatcher picks the kernel by the tensors' device; this module decides what
   ``setup.py``), the best build for an instruction set that this CPU has; importing it registers
   them. Where none is built, the pure-PyTorch reference serves (with one warning).
 - CUDA: by default torch's own SyncBN CUDA ops serve the statistics, elementwise and backward
-  operators (registered here for the CUDA key: :data:`TORCH_CUDA_OPS`, each one pass over
-  memory, no host synchronization), the reference the rest (the fused residual and activation
-  forms, the merge, the running-statistics update); our CUDA kernels (``src/cuda``,
-  built into ``functions/_C_cuda`` where torch is a CUDA build and a toolkit is found) are loaded
-  and registered only with ``SYNCBN_CUDA_KERNELS=compiled`` (opt-in until they have passed the
-  suite on a GPU).
+  operators, and ATen the rest (the fused residual and activation forms, the merges, the rows,
+  the running-statistics update): C++ kernels built into the CPU extension
+  (``src/torch_cuda_ops.cpp``, registered for the CUDA key at import; each one pass over memory
+  where torch has an op, no host synchronization, no GIL); without the CPU extension the
+  reference serves CUDA too. Our CUDA kernels (``src/cuda``, built into ``functions/_C_cuda``
+  where torch is a CUDA build and a toolkit is found) are loaded and registered instead only
+  with ``SYNCBN_CUDA_KERNELS=compiled`` (opt-in until they beat torch's ops in every layout).
 - ``SYNCBN_KERNELS=reference`` loads nothing and registers nothing: the reference serves every
   device (to debug, or to test it).
 """
@@ -38,69 +39,6 @@ CUDA_BUILD_HINT = (
     "build them where torch is a CUDA build and the CUDA toolkit (nvcc, CUDA_HOME) is installed, "
     "with `./make_ext.sh` or `pip install --no-build-isolation -e .`"
 )
-
-
-# torch's CUDA ops reshape to (N, C, -1), which fails on an empty batch (torch's own SyncBN
-# guards them the same way). None of these reads a device value on the host.
-
-
-def _torch_cuda_local_stats(x):
-    """One pass (``torch.batch_norm_stats``, Welford in the accumulation dtype) instead of the
-    reference's four: mean and M2 = count * var, var recovered as 1 / invstd^2 with eps = 0
-    (torch gives invstd 0 where var is 0). The mean is as good as torch's own SyncBN's (float32
-    for float32 and half inputs, float64 for float64), M2 within a few float32 ulps of the
-    biased variance; the reference's float64 residue correction is not made."""
-    count = values_per_channel(x)
-    if count == 0:
-        zeros = x.new_zeros(x.size(1), dtype=reference.STATS_DTYPE)
-        return zeros, zeros.clone()
-    mean, invstd = torch.batch_norm_stats(x, 0.0)
-    invstd = invstd.to(reference.STATS_DTYPE)
-    m2 = torch.where(invstd == 0, 0.0, count / invstd.square())  # nan (an inf in the channel) stays
-    return mean.to(reference.STATS_DTYPE), m2
-
-
-def _torch_cuda_elemt_forward(x, mean, invstd, weight, bias, residual=None, negative_slope=None):
-    if residual is not None or negative_slope is not None:  # torch has no fused op for these
-        return reference.elemt_forward(x, mean, invstd, weight, bias, residual, negative_slope)
-    if x.numel() == 0:
-        return torch.empty_like(x)
-    return torch.batch_norm_elemt(x, weight, bias, mean, invstd, 0.0)
-
-
-def _torch_cuda_backward_reduce(dy, x, mean):
-    if x.numel() == 0:
-        return torch.zeros_like(mean), torch.zeros_like(mean)
-    # invstd only scales grad_weight, which is not asked for here.
-    ones = torch.ones_like(mean)
-    sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(
-        dy, x, mean, ones, None, input_g=True, weight_g=False, bias_g=False
-    )
-    return sum_dy, sum_dy_xmu
-
-
-def _torch_cuda_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
-    if x.numel() == 0:
-        return torch.empty_like(x)
-    if count > INT32_MAX:  # torch's op takes int32 counts
-        sum_dy, sum_dy_xmu, count = reference.sums_per_value(sum_dy, sum_dy_xmu, count)
-    if weight is not None and weight.dtype != mean.dtype:
-        weight = weight.to(mean.dtype)
-    # a fill kernel, not torch.tensor([count], device=...): that copies from pageable memory,
-    # which waits for the stream to drain
-    counts = torch.full((1,), count, dtype=torch.int32, device=x.device)
-    return torch.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, counts)
-
-
-INT32_MAX = 2**31 - 1
-
-TORCH_CUDA_OPS = {
-    "local_stats": _torch_cuda_local_stats,
-    "elemt_forward": _torch_cuda_elemt_forward,
-    "backward_reduce": _torch_cuda_backward_reduce,
-    "backward_elemt": _torch_cuda_backward_elemt,
-}
-"""torch's SyncBN CUDA ops, as the CUDA kernels of our operators (the reference serves the others)."""
 
 
 def usable_cpu_capabilities() -> list[str]:
@@ -194,18 +132,11 @@ def load_compiled_cuda() -> ModuleType | None:
     return module
 
 
-def register_torch_cuda_ops() -> torch.library.Library:
-    """Registers :data:`TORCH_CUDA_OPS` for the CUDA key; returns the library that holds them."""
-    library = torch.library.Library(ops.NAMESPACE, "IMPL")
-    for name, kernel in TORCH_CUDA_OPS.items():
-        library.impl(name, kernel, "CUDA")
-    return library
-
-
 COMPILED = load_compiled()
 note_cuda_build_failure()
 COMPILED_CUDA = load_compiled_cuda() if CUDA_OPT_IN else None
-_TORCH_CUDA_LIBRARY = None if FORCE_REFERENCE or COMPILED_CUDA is not None else register_torch_cuda_ops()
+if COMPILED is not None and COMPILED_CUDA is None:
+    COMPILED.register_torch_cuda_ops()  # src/torch_cuda_ops.cpp: torch's CUDA ops, in C++
 
 NATIVE_ROUNDS_ENV = "SYNCBN_NATIVE_ROUNDS"
 NATIVE_ROUNDS: ModuleType | None = (

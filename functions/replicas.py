@@ -6,7 +6,7 @@ to the tracker's current :class:`ReplicaRound` (index 0 is the master) or opens 
 Where a round begins:
 
 - under torch's own ``replicate()`` (stock ``nn.DataParallel``), the replica's position is read
-  from that call's loop (:func:`torch_replicate_position`), and under ThreadedDataParallel's
+  from that call's loop (:func:`torch_replicate_call`), and under ThreadedDataParallel's
   replication it is said (:func:`replicas_in_order`): replica 0 opens a new round. This
   holds even when the previous step failed before any replica reached the layer and its
   replicas are still alive (an exception's traceback keeps DataParallel's frame alive);
@@ -341,7 +341,9 @@ class RoundTracker:
         replica of every layer at every step)."""
         position = REPLICATING.index
         if position is None:
-            position = torch_replicate_position()
+            position, root = torch_replicate_call()
+            if position == 0 and root is not None:
+                release_rounds_on_failure(root)
         with self._lock:
             if self._starts_round(position):
                 layer, timeout = settings()  # may raise (a bad timeout): no round number taken
@@ -360,7 +362,7 @@ class RoundTracker:
 class ReplicatingIndex(threading.local):
     """The index of the replica that the replicating code on this thread is making, where that
     code says it (:func:`replicas_in_order`); None elsewhere. Read before
-    :func:`torch_replicate_position`, whose walk up the frames costs more: a join runs for
+    :func:`torch_replicate_call`, whose walk up the frames costs more: a join runs for
     every replica of every layer at every step."""
 
     index: int | None = None
@@ -386,18 +388,46 @@ def replicas_in_order(module: nn.Module, count: int) -> list[nn.Module]:
 _REPLICATE_CODE = _torch_replicate.__code__
 
 
-def torch_replicate_position(max_depth: int = 8) -> int | None:
-    """The replica index ``j`` of torch's ``replicate()`` loop when it is the caller (a few
-    frames up, through ``_replicate_for_data_parallel`` overrides), else None."""
+def torch_replicate_call(max_depth: int = 8) -> tuple[int | None, nn.Module | None]:
+    """``(j, network)`` of torch's ``replicate(network, ...)`` when it is the caller (a few frames
+    up, through ``_replicate_for_data_parallel`` overrides): the replica index of its loop and
+    the root module it replicates; else ``(None, None)``."""
     frame = sys._getframe(1)
     for _ in range(max_depth):
         if frame is None:
-            return None
+            break
         if frame.f_code is _REPLICATE_CODE:
-            j = frame.f_locals.get("j")
-            return j if isinstance(j, int) else None
+            j, network = frame.f_locals.get("j"), frame.f_locals.get("network")
+            return (j if isinstance(j, int) else None), (network if isinstance(network, nn.Module) else None)
         frame = frame.f_back
-    return None
+    return None, None
+
+
+_WATCHED_ROOTS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def release_rounds_on_failure(root: nn.Module) -> None:
+    """Make every replica of ``root`` (a module that torch's ``replicate()`` replicates, as stock
+    ``nn.DataParallel`` does) break the rounds of its synchronized layers when its forward
+    raises, wherever it raised: the replicas waiting at a meeting of that step are released at
+    once (a :class:`ReplicaSyncError` naming the failed replica and its error) instead of after
+    their timeout. One forward hook, ``always_call=True``, on ``root``, whose replicas share it
+    (``replicate()`` copies a module's ``__dict__`` shallowly); registered once per root."""
+    if root not in _WATCHED_ROOTS:
+        root.register_forward_hook(_break_rounds_if_raised, always_call=True)
+        _WATCHED_ROOTS.add(root)
+
+
+def _break_rounds_if_raised(replica: nn.Module, args: Any, result: Any) -> None:
+    """The hook of :func:`release_rounds_on_failure`. torch calls an always-called hook from the
+    handler of the forward's exception (result None), so the exception is the one handled now."""
+    error = sys.exc_info()[1]
+    if result is not None or error is None:
+        return
+    for module in replica.modules():
+        handle = getattr(module, REPLICA_ATTR, None)
+        if handle is not None:
+            handle.round.abort(error, handle.index)
 
 
 def replica_rounds(replicas: Iterable[nn.Module]) -> list[ReplicaRound]:

@@ -315,10 +315,23 @@ class SyncBatchNorm(_BatchNorm):
         sync = Synchronizer.for_call(handle, group, self._process_sync, label, self.num_features, device)
         try:
             self._check_input(input, z)
+            self._check_not_captured(input, label)
             return self._synced(input, z, sync)
         except BaseException as error:
             sync.fail(error)
             raise
+
+    @staticmethod
+    def _check_not_captured(input: Tensor, label: str) -> None:
+        """A synchronized step waits for other threads or ranks and reads their verdicts on the
+        host, which a CUDA graph can neither capture nor replay: refuse before any work."""
+        if input.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{label}: a training step synchronized across replicas or processes cannot be captured in a CUDA "
+                "graph (it meets the other replicas or ranks on the host). Capture the model where each layer is a "
+                "lone replica (no DataParallel replicas, no process group: process_group=None with one rank, or "
+                "the layer in eval mode), or run the synchronized step without capture."
+            )
 
     def _forward_traced(self, input: Tensor, z: Tensor | None, group: Any) -> Tensor:
         """Ranks alone (no replicas in the process) under torch.compile: the exchange as

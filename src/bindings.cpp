@@ -9,6 +9,7 @@
 #endif
 
 #include "cpu/batch_norm_cpu.h"
+#include "torch_cuda_ops.h"
 
 SYNCBN_REGISTER_KERNELS(CPU, syncbn::cpu)
 
@@ -33,6 +34,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "CPU kernels of the synchronized batch norm, registered as torch.ops.syncbn.* for CPU tensors";
   m.attr("capability") = syncbn::cpu::capability();
   syncbn::bind_sync_batch_norm(m);
+  m.def("register_torch_cuda_ops", &syncbn::torch_cuda::register_torch_cuda_ops,
+        "Register torch's SyncBN CUDA ops and ATen (src/torch_cuda_ops.cpp) as the CUDA kernels of torch.ops.syncbn");
+  namespace torch_cuda = syncbn::torch_cuda;
+  auto route = m.def_submodule("torch_cuda_ops", "Those kernels as functions, for the tests (ATen: any device)");
+  route.def("local_stats", &torch_cuda::local_stats);
+  route.def("elemt_forward", &torch_cuda::elemt_forward);
+  route.def("backward_reduce", &torch_cuda::backward_reduce);
+  route.def("backward_elemt", &torch_cuda::backward_elemt);
+  route.def("backward_affine_act", &torch_cuda::backward_affine_act);
+  route.def("merge_stats", &torch_cuda::merge_stats);
+  route.def("merge_gathered_stats", &torch_cuda::merge_gathered_stats);
   m.def("set_thread_intra_op_threads", &syncbn::set_thread_intra_op_threads, pybind11::arg("threads"),
         "This thread's intra-op threads (OpenMP), leaving torch.set_num_threads' process-wide value alone");
 }

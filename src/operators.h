@@ -18,6 +18,15 @@ inline at::ScalarType accumulation_type(at::ScalarType dtype) { return dtype == 
 // A contiguous (C,) tensor on the host, whose values the composite operators read in a loop.
 inline bool is_host_vector(const at::Tensor& t) { return t.is_cpu() && t.dim() == 1 && t.is_contiguous(); }
 
+// The layout that full-size outputs take: x's, where x is laid out channels-last and not also
+// contiguous; contiguous otherwise (functions.reference.memory_format_of).
+inline at::MemoryFormat memory_format_of(const at::Tensor& x) {
+  if (x.is_contiguous()) return at::MemoryFormat::Contiguous;
+  if (x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast)) return at::MemoryFormat::ChannelsLast;
+  if (x.dim() == 5 && x.is_contiguous(at::MemoryFormat::ChannelsLast3d)) return at::MemoryFormat::ChannelsLast3d;
+  return at::MemoryFormat::Contiguous;
+}
+
 // merge_gathered_stats' arguments (src/kernels.inc): rows (R, header + 2C), header >= 1 (the
 // count), agreeing <= header, flag a header column. Returns C.
 inline int64_t check_gathered_rows(const at::Tensor& rows, int64_t header, int64_t agreeing,

@@ -55,6 +55,8 @@ class ReplicaRound {
   static constexpr double kMaxSpin = 1e6;     // microseconds: a second of polling is already no sleep
   // How long a waiter polls on a core that a replica still working needs (at most spin_us).
   static constexpr std::chrono::duration<double, std::micro> kSharedSpin{50.0};
+  // How often a sleeping waiter asks whether its wait was abandoned (see exchange).
+  static constexpr std::chrono::milliseconds kAbandonedPoll{100};
 
   int64_t size() const { return size_; }
   double spin_us() const { return spin_.count(); }
@@ -73,9 +75,12 @@ class ReplicaRound {
   // alive meanwhile, as the master waits for its result. Throws RoundBroken when the round is or
   // gets broken or the wait times out; an exception from `combine` breaks the round for the others
   // and reaches the master's caller as it is (the master's work, whichever thread ran it).
+  // `abandoned` (optional) is polled while this replica waits: once it says yes (the backward pass
+  // this wait belongs to has failed elsewhere), the round breaks and every waiter raises.
   template <typename Part, typename Result>
   Result exchange(const char* direction, int64_t call, int64_t index, Part part,
-                  const std::function<std::vector<Result>(std::vector<Part>&)>& combine) {
+                  const std::function<std::vector<Result>(std::vector<Part>&)>& combine,
+                  bool (*abandoned)() = nullptr) {
     const auto deadline = std::chrono::steady_clock::now() + timeout();
     std::unique_lock<std::mutex> lock(mutex_);
     if (index < 0 || index >= size_) throw std::out_of_range("ReplicaRound: no replica " + std::to_string(index));
@@ -90,7 +95,7 @@ class ReplicaRound {
       combine_all(lock, direction, call, index, slot);
     } else {
       try {
-        wait(lock, direction, call, slot, deadline, [&] { return !slot.results.empty(); });
+        wait(lock, direction, call, slot, deadline, [&] { return !slot.results.empty(); }, abandoned);
       } catch (const RoundBroken&) {
         if (index == 0) {
           // the combine may be running on another thread with this frame's closure: never leave
@@ -186,11 +191,16 @@ class ReplicaRound {
   // replica must not give up on a result that is about to be published.
   template <typename Part, typename Result, typename Ready>
   void wait(std::unique_lock<std::mutex>& lock, const char* direction, int64_t call, Slot<Part, Result>& slot,
-            std::chrono::steady_clock::time_point deadline, Ready ready) {
+            std::chrono::steady_clock::time_point deadline, Ready ready, bool (*abandoned)()) {
     if (!ready() && !failure_) spin(lock, slot);
     bool extended = false, spun_while_combining = false;
     while (!ready()) {
       if (failure_) throw RoundBroken(where(direction, call, slot.arrived_at) + "; " + *failure_);
+      if (abandoned && abandoned()) {
+        break_round("the " + std::string(direction) +
+                    " pass it belongs to failed elsewhere (that error reaches its caller)");
+        throw RoundBroken(where(direction, call, slot.arrived_at) + "; " + *failure_);
+      }
       const bool all_arrived = int64_t(slot.arrived_at.size()) == size_;
       const auto now = std::chrono::steady_clock::now();
       if (now >= deadline && !extended && all_arrived) {
@@ -208,7 +218,7 @@ class ReplicaRound {
         spin(lock, slot);
         continue;
       }
-      changed_.wait_until(lock, deadline);
+      changed_.wait_until(lock, abandoned ? std::min(deadline, now + kAbandonedPoll) : deadline);
     }
   }
 

@@ -32,6 +32,7 @@
 #include <type_traits>
 
 #include "cpu/batch_norm_cpu.h"
+#include "graph_task.h"
 #include "operators.h"
 #include "replica_round.h"
 
@@ -124,6 +125,23 @@ at::Tensor fetch(const at::Tensor& t, const at::Device& device, const Ready& rea
   return copy;
 }
 
+// Two (C,) tensors of one device and dtype, as fetch gives them: across devices in one copy (a
+// (2, C) stack made behind `ready` on the source's stream), so a meeting pays one copy per pair.
+std::pair<at::Tensor, at::Tensor> fetch_pair(const at::Tensor& a, const at::Tensor& b, const at::Device& device,
+                                             const Ready& ready) {
+  if (a.device() == device || a.scalar_type() != b.scalar_type()) {
+    return {fetch(a, device, ready), fetch(b, device, ready)};
+  }
+  const auto source = current_stream(a.device());
+  if (ready) ready->block(*source);
+  const auto pair = fetch(at::stack({a, b}), device, nullptr);  // ordered behind `ready` by the block
+  if (source && source->device_type() == c10::DeviceType::CUDA) {
+    a.record_stream(*source);
+    b.record_stream(*source);
+  }
+  return {pair[0], pair[1]};
+}
+
 // A deferred verdict's event, as functions/checks.py reads it (the methods of a torch.cuda.Event
 // that it calls): whether the device has run the copies to host memory, and a wait for them.
 struct ReadyEvent {
@@ -151,12 +169,6 @@ pybind11::object ready_object(const Ready& ready) {
   return ready ? pybind11::cast(ReadyEvent{ready}) : pybind11::none();
 }
 
-at::MemoryFormat memory_format_of(const at::Tensor& x) {  // functions.reference.memory_format_of
-  if (x.is_contiguous()) return at::MemoryFormat::Contiguous;
-  if (x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast)) return at::MemoryFormat::ChannelsLast;
-  if (x.dim() == 5 && x.is_contiguous(at::MemoryFormat::ChannelsLast3d)) return at::MemoryFormat::ChannelsLast3d;
-  return at::MemoryFormat::Contiguous;
-}
 
 
 std::string python_dtype(at::ScalarType dtype) {
@@ -187,11 +199,18 @@ struct StatsPart {
   std::vector<int64_t> sizes;
 };
 
-// What every replica normalizes with, on the master's device, after the work that made it.
+// What every replica normalizes with, on the master's device. Made only from finished tensors:
+// the event that hands them to other replicas (`shared`) is recorded in the constructor, after
+// the work that made them was queued on this thread's stream.
 struct Normalization {
   at::Tensor mean, invstd;  // (C,) in the accumulation dtype
   Ready ready;
-  int64_t count;  // values per channel over every replica, for the backward
+  int64_t count = 0;  // values per channel over every replica, for the backward
+
+  Normalization() = default;
+  Normalization(at::Tensor mean_, at::Tensor invstd_, int64_t count_, bool shared)
+      : mean(std::move(mean_)), invstd(std::move(invstd_)),
+        ready(shared ? mark_ready(current_stream(mean.device())) : nullptr), count(count_) {}
 };
 
 // The master's own arguments of the call.
@@ -358,7 +377,7 @@ Normalization merge_on_host(const std::vector<StatsPart>& parts, const std::vect
   cpu::merge_moments(counts.data(), means.data(), m2s.data(), R, C, mean.data_ptr<double>(), m2.data_ptr<double>());
   const auto [mean_acc, invstd, var] = normalization_stats(mean, m2, total, call.eps, acc);
   update_running_stats(call.running_mean, call.running_var, call.num_batches_tracked, call.momentum, mean, var, total);
-  return {mean_acc, invstd, nullptr, total};
+  return Normalization(mean_acc, invstd, total, /*shared=*/false);  // host tensors: no stream
 }
 
 // On the master: the replicas' statistics merged (Chan's formula, in replica order) and, with
@@ -373,8 +392,9 @@ Normalization merge_replicas(std::vector<StatsPart>& parts, const MasterCall& ca
   int64_t total = 0;
   for (auto& part : parts) {
     const int64_t count = part.sizes[1] ? c10::multiply_integers(part.sizes) / part.sizes[1] : 0;
-    means.push_back(fetch(part.mean, device, part.ready));
-    m2s.push_back(fetch(part.m2, device, part.ready));
+    auto [mean, m2] = fetch_pair(part.mean, part.m2, device, part.ready);
+    means.push_back(mean);
+    m2s.push_back(m2);
     counts.push_back(double(count));
     total += count;
   }
@@ -404,9 +424,8 @@ Normalization merge_replicas(std::vector<StatsPart>& parts, const MasterCall& ca
                            total);
     }
   }
-  // other replicas read these on their streams; the only one reads them on its own
-  const auto ready = parts.size() > 1 ? mark_ready(current_stream(device)) : nullptr;
-  return {mean.to(acc), (var + call.eps).rsqrt().to(acc), ready, total};
+  // other replicas read these on their streams (behind the constructor's event); the only one on its own
+  return Normalization(mean.to(acc), (var + call.eps).rsqrt().to(acc), total, /*shared=*/parts.size() > 1);
 }
 
 // One replica's (sum_dy, sum_dy_xmu), after the work that made them.
@@ -415,10 +434,17 @@ struct SumsPart {
   Ready ready;
 };
 
+// The sums every replica's input gradient takes, on the master's device; made, as Normalization,
+// only from finished tensors, its event recorded after them.
 struct Sums {
-  at::Tensor sum_dy, sum_dy_xmu;  // on the master's device
+  at::Tensor sum_dy, sum_dy_xmu;
   Ready ready;
-  int64_t count;  // with ranks: the count that backward_elemt divides by (-1: the forward's)
+  int64_t count = -1;  // with ranks: the count that backward_elemt divides by (-1: the forward's)
+
+  Sums() = default;
+  Sums(at::Tensor sum_dy_, at::Tensor sum_dy_xmu_, int64_t count_, bool shared)
+      : sum_dy(std::move(sum_dy_)), sum_dy_xmu(std::move(sum_dy_xmu_)),
+        ready(shared ? mark_ready(current_stream(sum_dy.device())) : nullptr), count(count_) {}
 };
 
 bool are_host_vectors_alike(const std::vector<at::Tensor>& ts) {
@@ -457,17 +483,15 @@ Sums sum_replicas(std::vector<SumsPart>& parts, const Ranks& ranks) {
   const auto device = parts[0].sum_dy.device();
   std::vector<at::Tensor> sums_dy, sums_dy_xmu;
   for (auto& part : parts) {
-    sums_dy.push_back(fetch(part.sum_dy, device, part.ready));
-    sums_dy_xmu.push_back(fetch(part.sum_dy_xmu, device, part.ready));
+    auto [sum_dy, sum_dy_xmu] = fetch_pair(part.sum_dy, part.sum_dy_xmu, device, part.ready);
+    sums_dy.push_back(sum_dy);
+    sums_dy_xmu.push_back(sum_dy_xmu);
   }
-  Sums sums{sums_dy[0], sums_dy_xmu[0], nullptr, -1};
-  if (parts.size() > 1) {
-    sums.sum_dy = sum_in_replica_order(sums_dy);
-    sums.sum_dy_xmu = sum_in_replica_order(sums_dy_xmu);
-  }
-  if (ranks) std::tie(sums.sum_dy, sums.sum_dy_xmu, sums.count) = ranks.sum(sums.sum_dy, sums.sum_dy_xmu);
-  if (parts.size() > 1) sums.ready = mark_ready(current_stream(device));
-  return sums;
+  auto sum_dy = parts.size() > 1 ? sum_in_replica_order(sums_dy) : sums_dy[0];
+  auto sum_dy_xmu = parts.size() > 1 ? sum_in_replica_order(sums_dy_xmu) : sums_dy_xmu[0];
+  int64_t count = -1;
+  if (ranks) std::tie(sum_dy, sum_dy_xmu, count) = ranks.sum(sum_dy, sum_dy_xmu);
+  return Sums(sum_dy, sum_dy_xmu, count, /*shared=*/parts.size() > 1);
 }
 
 // A meeting of this replica with the others of its process (none: it is the only one).
@@ -476,7 +500,8 @@ Sums sum_replicas(std::vector<SumsPart>& parts, const Ranks& ranks) {
 // master's runs on the master's stream, as if the master ran it.
 template <typename Part, typename Result>
 Result meet(const std::shared_ptr<ReplicaRound>& round, const char* direction, int64_t call, int64_t index,
-            const OptStream& stream, Part part, const std::function<std::vector<Result>(std::vector<Part>&)>& combine) {
+            const OptStream& stream, Part part, const std::function<std::vector<Result>(std::vector<Part>&)>& combine,
+            bool (*abandoned)() = nullptr) {
   if (!round) {
     std::vector<Part> parts;
     parts.push_back(std::move(part));
@@ -487,7 +512,7 @@ Result meet(const std::shared_ptr<ReplicaRound>& round, const char* direction, i
     if (stream) guard.emplace(*stream);
     return combine(parts);
   };
-  return round->exchange<Part, Result>(direction, call, index, std::move(part), on_own_stream);
+  return round->exchange<Part, Result>(direction, call, index, std::move(part), on_own_stream, abandoned);
 }
 
 // ---- errors as Python sees them ----
@@ -637,13 +662,14 @@ struct SyncBatchNormBackward : public torch::autograd::Node {
     const auto stream = current_stream(input.device());
     const auto ready = round ? mark_ready(stream) : nullptr;
     const auto totals =
-        meet<SumsPart, Sums>(round, "backward", call, index, stream, SumsPart{sum_dy, sum_dy_xmu, ready}, combine);
+        meet<SumsPart, Sums>(round, "backward", call, index, stream, SumsPart{sum_dy, sum_dy_xmu, ready}, combine,
+                             current_graph_task_failed);
     torch::autograd::variable_list result(4);
     if (task_should_compute_output(0)) {
-      result[0] = ops().backward_elemt.call(dy, input, mean_, invstd_, optional(weight_),
-                                            fetch(totals.sum_dy, input.device(), totals.ready),
-                                            fetch(totals.sum_dy_xmu, input.device(), totals.ready),
-                                            c10::SymInt(totals.count >= 0 ? totals.count : count));
+      const auto [sum_dy_here, sum_dy_xmu_here] =
+          fetch_pair(totals.sum_dy, totals.sum_dy_xmu, input.device(), totals.ready);
+      result[0] = ops().backward_elemt.call(dy, input, mean_, invstd_, optional(weight_), sum_dy_here,
+                                            sum_dy_xmu_here, c10::SymInt(totals.count >= 0 ? totals.count : count));
     }
     if (weight_.defined() && task_should_compute_output(1)) result[1] = (sum_dy_xmu * invstd_).to(weight_.scalar_type());
     if (bias_.defined() && task_should_compute_output(2)) result[2] = sum_dy.to(bias_.scalar_type());
@@ -694,8 +720,8 @@ at::Tensor sync_batch_norm(const std::shared_ptr<ReplicaRound>& round, int64_t i
             return std::vector<Normalization>(parts.size(), merge_replicas(parts, master_call, *ranks));
           };
       normalization = meet<StatsPart, Normalization>(round, "forward", call, index, stream, std::move(part), combine);
-      normalization.mean = fetch(normalization.mean, x.device(), normalization.ready);
-      normalization.invstd = fetch(normalization.invstd, x.device(), normalization.ready);
+      std::tie(normalization.mean, normalization.invstd) =
+          fetch_pair(normalization.mean, normalization.invstd, x.device(), normalization.ready);
       y = ops().elemt_forward.call(x, normalization.mean, normalization.invstd, weight, bias, residual, negative_slope);
     }
     const auto undefined = [](const OptTensor& t) { return t ? *t : at::Tensor(); };
@@ -743,6 +769,14 @@ void bind_sync_batch_norm(pybind11::module_& m) {
       .def("query", &ReadyEvent::query, "Whether the device has run the copies")
       .def("synchronize", &ReadyEvent::synchronize, py::call_guard<py::gil_scoped_release>(),
            "Wait until the device has run the copies");
+  m.def(
+      "current_backward_pass",
+      [] {
+        const auto* task = current_graph_task();
+        return task ? py::make_tuple(task->has_error_.load(), task->keep_graph_) : py::object(py::none());
+      },
+      "(failed, retain_graph) of the backward pass this thread runs, read from torch's graph task as the "
+      "meetings read it (src/graph_task.h); None outside one");
   m.def("set_replica_sync_error", [](py::object type) {
     replica_sync_error = type.release().ptr();  // kept for the life of the process
   });

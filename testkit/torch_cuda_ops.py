@@ -1,15 +1,16 @@
 """torch's SyncBN CUDA operators (``torch.batch_norm_stats``, ``batch_norm_elemt``,
 ``batch_norm_backward_reduce``, ``batch_norm_backward_elemt``) written in plain torch for CPU
 tensors, as their CUDA kernels define them (ATen ``native/cuda/Normalization.cuh``): they have no
-CPU kernels, so this is how the wrappers that make them serve our operators on CUDA
-(``functions.backend.TORCH_CUDA_OPS``) are tested without a GPU. Statistics in the accumulation
-dtype (float32 for half inputs), invstd 0 where var and eps are both 0, as torch's ``InvStd``.
+CPU kernels, so this is how the C++ kernels that make them serve our operators on CUDA
+(``src/torch_cuda_ops.cpp``, bound as ``functions.backend.COMPILED.torch_cuda_ops``) are tested
+without a GPU: :func:`emulated` registers these as their CPU kernels, which C++ callers reach
+through the dispatcher. Statistics in the accumulation dtype (float32 for half inputs), invstd 0
+where var and eps are both 0, as torch's ``InvStd``.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Iterator
-from unittest import mock
 
 import torch
 from torch import Tensor
@@ -48,8 +49,9 @@ def batch_norm_backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, b
     acc = mean.dtype
     sum_dy = dy.to(acc).sum(_dims(x))
     sum_dy_xmu = (dy.to(acc) * (x.to(acc) - _view(mean, x))).sum(_dims(x))
-    grad_weight = sum_dy_xmu * invstd if weight_g else None
-    return sum_dy if input_g else None, sum_dy_xmu if input_g else None, grad_weight, sum_dy if bias_g else None
+    none = mean.new_empty(0)  # what torch leaves undefined (an operator kernel returns tensors)
+    grad_weight = sum_dy_xmu * invstd if weight_g else none
+    return sum_dy if input_g else none, sum_dy_xmu if input_g else none, grad_weight, sum_dy if bias_g else none
 
 
 def batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count: Tensor) -> Tensor:
@@ -64,7 +66,9 @@ def batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, c
 
 @contextmanager
 def emulated() -> Iterator[None]:
-    """torch's four SyncBN operators answer for CPU tensors in this block."""
+    """torch's four SyncBN operators answer for CPU tensors in this block, from Python and C++."""
     names = ("batch_norm_stats", "batch_norm_elemt", "batch_norm_backward_reduce", "batch_norm_backward_elemt")
-    with mock.patch.multiple(torch, **{name: globals()[name] for name in names}):
+    with torch.library._scoped_library("aten", "IMPL") as library:
+        for name in names:
+            library.impl(name, globals()[name], "CPU")
         yield

@@ -13,6 +13,7 @@ tests also need our CUDA kernels registered as the CUDA kernels of torch.ops.syn
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 
 from functions import backend, devices, sync_batch_norm
 from functions import reference as ref
+from modules import nn as NN
 import test_kernels as kernel_tests  # its tolerances and inputs (tests/ is on the path: pytest.ini)
 
 pytestmark = pytest.mark.skipif(
@@ -116,7 +118,6 @@ def make_pair(dtype, memory_format, channels=6):
     with torch.no_grad():
         ref_bn.weight.uniform_(0.5, 1.5)
         ref_bn.bias.normal_()
-    from modules import nn as NN
 
     ours = NN.convert_sync_batchnorm(copy.deepcopy(ref_bn))
     return ref_bn, ours
@@ -210,7 +211,6 @@ def test_threaded_replicas_on_one_gpu_backward(cuda_backend, replicas, dtype, mo
 
 
 def resnet_block(channels: int = 6) -> nn.Module:
-    from modules import nn as NN
 
     return NN.convert_sync_batchnorm(
         nn.Sequential(
@@ -233,7 +233,6 @@ def test_threaded_step_matches_the_full_batch(devices_, monkeypatch, exchange_pa
     torch.manual_seed(0)
     ours = resnet_block()
     theirs = copy.deepcopy(ours)
-    from modules import nn as NN
 
     theirs = NN.revert_sync_batchnorm(theirs)
     runner = ThreadedDataParallel(ours, devices_)
@@ -275,7 +274,6 @@ def test_stock_data_parallel_on_a_side_stream(exchange_path) -> None:
     replicas run on that stream (parallel_apply enters it), so must our fences and copies."""
     torch.manual_seed(0)
     ours = resnet_block()
-    from modules import nn as NN
 
     theirs = NN.revert_sync_batchnorm(copy.deepcopy(ours))
     runner = nn.DataParallel(ours, device_ids=list(range(torch.cuda.device_count())))
@@ -292,6 +290,138 @@ def test_stock_data_parallel_on_a_side_stream(exchange_path) -> None:
     y_ref.backward(torch.ones_like(y_ref))
     torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(x_ours.grad, x_ref.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_replicas_read_the_masters_results_only_after_they_are_computed() -> None:
+    """The master publishes mean and invstd behind an event that must follow their computation:
+    replica 1 (on the CPU) copies them on its own thread's stream of cuda:0 while the master runs
+    on a side stream. With the event recorded before ``(var + eps).rsqrt()`` was queued, the copy
+    of 2**25 channels starts while that kernel still writes them, and replica 1 normalizes with
+    stale memory. float64, so that the only work after the event is that kernel."""
+    from modules.parallel import ThreadedDataParallel
+
+    channels = 2**25
+    ours = NN.SyncBatchNorm1d(channels, affine=False, timeout=60).double().to(DEVICE)
+    theirs = nn.BatchNorm1d(channels, affine=False).double().to(DEVICE)
+    runner = ThreadedDataParallel(ours, ["cuda:0", "cpu"])
+    x = torch.randn(4, channels, device=DEVICE, dtype=torch.float64) * 3 + 1
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        y = runner(x)
+        y_ref = theirs(x)
+    stream.synchronize()
+    torch.testing.assert_close(y, y_ref, atol=1e-10, rtol=1e-10)
+
+
+def test_capturing_a_synchronized_step_raises_a_clear_error() -> None:
+    """A step that meets other replicas (or ranks) cannot be captured in a CUDA graph: the layer
+    refuses before any work, naming itself, and its round breaks for the other replica."""
+    from helpers import stock_replicas
+
+    bn = NN.SyncBatchNorm2d(4, timeout=30).to(DEVICE)
+    replicas = stock_replicas(bn, 2)
+    x = torch.randn(2, 4, 3, 3, device=DEVICE)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph") as raised:
+        with torch.cuda.graph(graph, stream=stream):
+            replicas[0](x)
+    assert "SyncBatchNorm2d" in str(raised.value)
+    from functions import ReplicaSyncError
+
+    with pytest.raises(ReplicaSyncError, match="replica 0 failed: RuntimeError"):
+        replicas[1](x)  # released at once, not after 30 s
+    assert int(bn.num_batches_tracked) == 0
+
+
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
+def test_a_lone_training_step_captures_and_replays_exactly(momentum) -> None:
+    """A lone replica's training step (forward, backward, running statistics) in a CUDA graph,
+    replayed on new inputs, against the same model run eagerly: the same bits."""
+    torch.manual_seed(0)
+    captured = nn.Sequential(NN.SyncBatchNorm2d(6, momentum=momentum), nn.ReLU()).to(DEVICE)
+    eager = copy.deepcopy(captured)
+    inputs = [torch.randn(4, 6, 5, 5, device=DEVICE) * 2 + 1 for _ in range(6)]
+    static_x = inputs[0].clone().requires_grad_()
+
+    def step(model, x):
+        for p in model.parameters():
+            p.grad = None
+        y = model(x)
+        y.square().sum().backward()
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up, as torch.cuda.graph asks, mirrored in the eager model
+        for x in inputs[:2]:
+            static_x.grad = None
+            static_x.data.copy_(x)
+            step(captured, static_x)
+            step(eager, x.clone().requires_grad_())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    static_x.grad = None
+    for p in captured.parameters():
+        p.grad = None
+    with torch.cuda.graph(graph):
+        static_y = captured(static_x)
+        static_y.square().sum().backward()
+    # capturing ran nothing; replay the captured step on each later input
+    for x in inputs[2:]:
+        static_x.data.copy_(x)
+        graph.replay()
+        x_eager = x.clone().requires_grad_()
+        y = step(eager, x_eager)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(static_y, y, atol=0, rtol=0)
+        torch.testing.assert_close(static_x.grad, x_eager.grad, atol=0, rtol=0)
+        for (name, a), b in zip(captured.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, atol=0, rtol=0, msg=name)
+        for (name, a), b in zip(captured.named_buffers(), eager.buffers()):
+            torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise MemoryError("replica 1's backward fails")
+
+
+def test_a_backward_failing_on_one_device_releases_the_other_devices_thread() -> None:
+    """Stock nn.DataParallel's threading on one GPU: replica 0 on cuda:0, replica 1 on the CPU,
+    their forwards in two threads, one loss.backward() from this thread, so that replica 0's
+    nodes run on CUDA's autograd thread and replica 1's on this one. Replica 1's backward raises
+    before its layer: loss.backward() raises at once, and the CUDA thread, waiting for replica
+    1's sums at the layer, must leave within a few seconds (not its 30 s timeout), so that the
+    next backward on the GPU runs."""
+    from functions.replicas import replicas_in_order
+    from helpers import run_threads
+
+    bn = NN.SyncBatchNorm1d(3, timeout=30).to(DEVICE)
+    replicas = replicas_in_order(bn, 2)
+    for name, param in bn.named_parameters():
+        setattr(replicas[0], name, param.view_as(param))
+        setattr(replicas[1], name, param.to("cpu"))  # differentiable copies, as replicate() broadcasts
+    for name, buffer in bn.named_buffers():
+        replicas[1]._buffers[name] = buffer.to("cpu")
+    x0 = torch.randn(4, 3, device=DEVICE, requires_grad=True)
+    x1 = torch.randn(4, 3, requires_grad=True)
+    outputs = run_threads([lambda: replicas[0](x0), lambda: _RaiseInBackward.apply(replicas[1](x1))])
+    loss = outputs[0].sum() + outputs[1].to(DEVICE).sum()
+    with pytest.raises(MemoryError):
+        loss.backward()
+    start = time.monotonic()
+    probe = torch.ones(3, device=DEVICE, requires_grad=True)
+    (probe * 2).sum().backward()  # runs on the CUDA autograd thread: behind the waiter, if it still waits
+    torch.cuda.synchronize()
+    assert time.monotonic() - start < 5
 
 
 # ---- the in-place activated batch norm's kernels (abn_*, src/cuda/inplace_abn.cu) ----------

@@ -32,16 +32,38 @@ needs_default_cuda_route = pytest.mark.skipif(
 )
 
 
+SYNCHRONIZED_ROUTE_OPS = (
+    *FULL_SIZE_OPS, "backward_affine_act", "merge_stats", "merge_gathered_stats", "update_running_stats",
+    "batch_norm_train", "pack_row", "unpack_row",
+)
+"""Every operator that a synchronized layer (and a lone replica) calls on CUDA tensors."""
+
+
 def has_cuda_kernel(name: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"syncbn::{name}", "CUDA")
 
 
+def cuda_kernel_source(name: str) -> str:
+    """Where the CUDA kernel of ``syncbn::<name>`` was registered, as the dispatcher says it."""
+    for line in torch._C._dispatch_dump(f"syncbn::{name}").splitlines():
+        if line.startswith("CUDA:"):
+            return line
+    return ""
+
+
 @needs_default_cuda_route
-def test_full_size_operators_have_cuda_kernels_of_their_own() -> None:
-    # the reference would serve the rest through CompositeExplicitAutograd: several passes and
-    # full-size temporaries per layer (the statistics: four passes)
-    assert [name for name in FULL_SIZE_OPS if not has_cuda_kernel(name)] == []
-    assert set(backend.TORCH_CUDA_OPS) == set(FULL_SIZE_OPS)
+def test_the_synchronized_cuda_route_has_no_python_kernel() -> None:
+    # a Python kernel takes the GIL per call, in every replica thread: each operator on the route
+    # has a C++ kernel of its own for the CUDA key (not the reference, CompositeExplicitAutograd)
+    sources = {name: cuda_kernel_source(name) for name in SYNCHRONIZED_ROUTE_OPS}
+    assert all(has_cuda_kernel(name) for name in SYNCHRONIZED_ROUTE_OPS), sources
+    assert all("src/torch_cuda_ops.cpp" in line for line in sources.values()), sources
+
+
+def torch_cuda_kernels():
+    if backend.COMPILED is None:
+        pytest.skip("the CPU extension (which holds the default CUDA kernels) is not loaded")
+    return backend.COMPILED.torch_cuda_ops
 
 
 class OperatorCalls(TorchDispatchMode):
@@ -78,9 +100,9 @@ def test_torch_ops_serve_our_operators_as_the_reference_does(dtype, shape, memor
     dy = torch.randn(shape, generator=gen).to(dtype)
     C, acc = shape[1], ref.accumulation_dtype(dtype)
     weight, bias = torch.rand(C, generator=gen) + 0.5, torch.randn(C, generator=gen)
+    ours = torch_cuda_kernels()
     with torch_cuda_ops.emulated():
-        ours = backend.TORCH_CUDA_OPS
-        mean, m2 = ours["local_stats"](x)
+        mean, m2 = ours.local_stats(x)
         mean_ref, m2_ref = ref.local_stats(x)
         assert mean.dtype == m2.dtype == torch.float64
         # float32 statistics for float32 and half inputs (torch's Welford), float64 for float64
@@ -90,19 +112,20 @@ def test_torch_ops_serve_our_operators_as_the_reference_does(dtype, shape, memor
         count = max(1, x.numel() // C)
         m, invstd = mean_ref.to(acc), torch.rsqrt(m2_ref / count + 1e-5).to(acc)
         close = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=1e-2, rtol=1e-2)
-        torch.testing.assert_close(ours["elemt_forward"](x, m, invstd, weight.to(acc), bias.to(acc)), ref.elemt_forward(x, m, invstd, weight.to(acc), bias.to(acc)), **close)
-        sums = ours["backward_reduce"](dy, x, m)
+        torch.testing.assert_close(ours.elemt_forward(x, m, invstd, weight.to(acc), bias.to(acc), None, None), ref.elemt_forward(x, m, invstd, weight.to(acc), bias.to(acc)), **close)
+        sums = ours.backward_reduce(dy, x, m)
         torch.testing.assert_close(sums, ref.backward_reduce(dy, x, m), **close)
         args = (dy, x, m, invstd, weight, *ref.backward_reduce(dy, x, m), count)
-        torch.testing.assert_close(ours["backward_elemt"](*args), ref.backward_elemt(*args), **close)
+        torch.testing.assert_close(ours.backward_elemt(*args), ref.backward_elemt(*args), **close)
 
 
 def test_local_stats_of_a_constant_channel_from_torchs_invstd() -> None:
     # torch gives invstd 0 (not inf) where var and eps are 0: M2 must be 0, not inf
     x = torch.ones(4, 2, 3)
     x[:, 1] = torch.arange(12.0).view(4, 3)
+    ours = torch_cuda_kernels()
     with torch_cuda_ops.emulated():
-        mean, m2 = backend.TORCH_CUDA_OPS["local_stats"](x)
+        mean, m2 = ours.local_stats(x)
     torch.testing.assert_close(m2, ref.local_stats(x)[1])
     assert m2[0] == 0
 
@@ -114,40 +137,98 @@ def test_backward_elemt_beyond_int32_counts_divides_first() -> None:
     dy = torch.randn_like(x)
     sums = ref.backward_reduce(dy, x, mean)
     big = 2**31 + 5
+    ours = torch_cuda_kernels()
     with torch_cuda_ops.emulated():
-        dx = backend.TORCH_CUDA_OPS["backward_elemt"](dy, x, mean, invstd, None, *sums, big)
+        dx = ours.backward_elemt(dy, x, mean, invstd, None, *sums, big)
     torch.testing.assert_close(dx, ref.backward_elemt(dy, x, mean, invstd, None, *sums, big), atol=1e-12, rtol=1e-12)
 
 
 def test_torch_ops_make_no_host_reads_nor_pageable_copies() -> None:
     x = torch.randn(4, 3, 5, 5)
     m, invstd = torch.zeros(3), torch.ones(3)
+    ours = torch_cuda_kernels()
     with torch_cuda_ops.emulated(), HostReads() as reads:
-        backend.TORCH_CUDA_OPS["local_stats"](x)
-        backend.TORCH_CUDA_OPS["elemt_forward"](x, m, invstd, None, None)
-        sums = backend.TORCH_CUDA_OPS["backward_reduce"](x, x, m)
-        backend.TORCH_CUDA_OPS["backward_elemt"](x, x, m, invstd, None, *sums, 100)
+        ours.local_stats(x)
+        ours.elemt_forward(x, m, invstd, None, None, None, None)
+        sums = ours.backward_reduce(x, x, m)
+        ours.backward_elemt(x, x, m, invstd, None, *sums, 100)
     assert reads.seen == [], reads.report()
 
 
-def test_reference_kernels_that_serve_cuda_make_no_host_reads() -> None:
-    # on the default CUDA route the reference serves the per-channel operators and the fused
-    # forms: what a synchronized step, a lone replica with momentum None and a fused layer call
+def gathered_rows(counts: list[float], seed: int = 0, agree: bool = True) -> torch.Tensor:
+    """All_gather rows of ``len(counts)`` ranks over 3 channels: header (layer, call, flag,
+    count), mean, M2; with ``agree`` False, the last rank's call number differs."""
+    gen = torch.Generator().manual_seed(seed)
+    R = len(counts)
+    heads = torch.tensor([[7.0, 0.0 if agree or r < R - 1 else 1.0, 0.0, n] for r, n in enumerate(counts)], dtype=torch.float64)
+    means = torch.randn(R, 3, generator=gen, dtype=torch.float64) * 5 + 100
+    m2s = torch.rand(R, 3, generator=gen, dtype=torch.float64) * torch.tensor(counts, dtype=torch.float64).unsqueeze(1)
+    return torch.cat([heads, torch.where(heads[:, 3:4] > 0, means, 0.0), m2s], 1)
+
+
+def running_stats(dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.linspace(-1, 1, 3, dtype=dtype), torch.linspace(0.5, 2, 3, dtype=dtype), torch.tensor(2)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
+@pytest.mark.parametrize(
+    "counts,agree", [([3.0, 0.0, 4.0], True), ([0.0, 0.0], True), ([1.0, 0.0], True), ([3.0, 4.0], False)],
+    ids=["uneven", "all-empty", "one-value", "disagree"],
+)
+def test_default_cuda_merges_are_the_references(momentum, counts, agree) -> None:
+    # the ATen merges that serve CUDA, on CPU tensors, against the reference: the same values,
+    # running statistics updated (or left, num_batches_tracked included) exactly alike
+    ours = torch_cuda_kernels()
+    rows = gathered_rows(counts, agree=agree)
+    theirs_running, ours_running = running_stats(), running_stats()
+    expected = ref.merge_gathered_stats(rows, 4, 2, 2, *theirs_running, momentum)
+    got = ours.merge_gathered_stats(rows, 4, 2, 2, *ours_running, momentum)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, equal_nan=True)
+    for a, b in zip(ours_running, theirs_running):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    if sum(counts) > 0:
+        torch.testing.assert_close(
+            ours.merge_stats(rows[:, 3], rows[:, 4:7], rows[:, 7:]),
+            ref.merge_stats(rows[:, 3], rows[:, 4:7], rows[:, 7:]), atol=1e-12, rtol=1e-12,
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("slope", [None, 0.0, 0.1], ids=["no-act", "relu", "leaky"])
+def test_default_cuda_fused_forms_are_the_references(dtype, memory_format, slope) -> None:
+    ours = torch_cuda_kernels()
+    gen = torch.Generator().manual_seed(1)
+    x, z, dy = (torch.randn(4, 3, 5, 5, generator=gen).to(dtype).contiguous(memory_format=memory_format) for _ in range(3))
+    acc = ref.accumulation_dtype(dtype)
+    m, invstd = torch.randn(3, generator=gen).to(acc), (torch.rand(3, generator=gen) + 0.5).to(acc)
+    w, b = torch.rand(3, generator=gen) + 0.5, torch.randn(3, generator=gen)
+    y = ours.elemt_forward(x, m, invstd, w, b, z, slope)
+    torch.testing.assert_close(y, ref.elemt_forward(x, m, invstd, w, b, z, slope), atol=0, rtol=0)
+    assert y.is_contiguous(memory_format=memory_format)
+    for asked in [(True, True, True), (False, True, True), (True, False, False)]:
+        got = ours.backward_affine_act(dy, x, m, invstd, w, b, z, slope, *asked)
+        expected = ref.backward_affine_act(dy, x, m, invstd, w, b, z, slope, *asked)
+        for a, e in zip(got, expected):
+            torch.testing.assert_close(a, e, atol=1e-12, rtol=1e-12)
+            assert a.shape == e.shape and a.dtype == e.dtype and a.stride() == e.stride()
+
+
+def test_default_cuda_kernels_make_no_host_reads() -> None:
+    # the per-channel operators and fused forms that serve CUDA by default: what a synchronized
+    # step, a lone replica with momentum None and a fused layer call, on CPU tensors standing in
+    ours = torch_cuda_kernels()
     x, z = torch.randn(4, 3, 5, 5), torch.randn(4, 3, 5, 5)
     m, invstd, w = torch.zeros(3), torch.ones(3), torch.rand(3) + 0.5
-    counts, means = torch.tensor([3.0, 0.0, 4.0], dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)
-    running = [(torch.zeros(3), torch.ones(3), torch.tensor(2)) for _ in range(8)]
-    count = torch.tensor(100.0, dtype=torch.float64)
-    rows = torch.cat([torch.tensor([[7.0, 0.0, 3.0]] * 3, dtype=torch.float64), counts.unsqueeze(1), means, means.abs()], 1)
+    rows = gathered_rows([3.0, 0.0, 4.0])
+    running = [running_stats() for _ in range(2)]
     with HostReads() as reads:
-        ref.merge_stats(counts, means, means.abs())
+        ours.merge_stats(rows[:, 3], rows[:, 4:7], rows[:, 7:])
         for momentum in (0.1, None):
-            ref.update_running_stats(*running.pop(), momentum, means[0], means[1].abs(), 100)
-            ref.update_running_stats(*running.pop(), momentum, means[0], means[1].abs(), count)
-            ref.merge_gathered_stats(rows, 4, 2, 1, *running.pop(), momentum)  # the ranks' rows, deferred checks
-            ref.batch_norm_train(x, w, None, *running.pop(), momentum, 1e-5)
-        ref.elemt_forward(x, m, invstd, w, None, z, 0.1)
-        ref.backward_affine_act(z, x, m, invstd, w, None, z, 0.0, True, True, True)
+            ours.merge_gathered_stats(rows, 4, 2, 2, *running.pop(), momentum)  # the ranks' rows, deferred checks
+        ours.elemt_forward(x, m, invstd, w, None, z, 0.1)
+        ours.backward_affine_act(z, x, m, invstd, w, None, z, 0.0, True, True, True)
     assert reads.seen == [], reads.report()
 
 

@@ -343,6 +343,51 @@ def test_stock_replica_with_bad_input_fails_the_others_at_once() -> None:
     assert int(bn.num_batches_tracked) == 0
 
 
+@pytest.mark.parametrize("where", ["before", "between"], ids=["before-the-layers", "between-layers"])
+def test_stock_replica_failing_outside_the_layers_releases_the_others_at_once(where: str) -> None:
+    # an error outside our layers (a convolution's OOM): under torch's replicate() the root's
+    # always-called hook breaks the failed replica's rounds, so the others, waiting at a meeting
+    # of that step, raise at once (not after the 30 s timeout); the next step is exact
+    raiser = RaiseOn(batch=1, error=MemoryError)
+    layers = [NN.SyncBatchNorm2d(3, timeout=30), nn.ReLU(), NN.SyncBatchNorm2d(3, timeout=30)]
+    layers.insert(0 if where == "before" else 2, raiser)
+    ours = nn.Sequential(*layers).double()
+    ref = nn.Sequential(*[nn.BatchNorm2d(3) if isinstance(m, NN.SyncBatchNorm2d) else copy.deepcopy(m) for m in layers])
+    ref = ref.double()
+    x = torch.randn(5, 3, 2, 2, dtype=torch.float64)
+    start = time.monotonic()
+    errors = forward_replicas(ours, x, 3)  # chunks of 2, 2 and 1: replica 2 raises
+    assert time.monotonic() - start < 1
+    assert isinstance(errors[2], MemoryError)
+    for j in (0, 1):
+        assert isinstance(errors[j], ReplicaSyncError), errors[j]
+        assert "replica 2 failed: MemoryError: replica with batch 1 fails" in str(errors[j])
+    raiser.armed = False
+    with torch.no_grad():
+        if where == "between":  # the first layer's exchange had completed: it counted the failed step
+            ref[0](x)
+        x = torch.randn(6, 3, 2, 2, dtype=torch.float64)
+        expected = ref(x)
+    outputs = forward_replicas(ours, x, 3)
+    assert all(isinstance(o, torch.Tensor) for o in outputs), outputs
+    torch.testing.assert_close(torch.cat(outputs), expected, atol=1e-12, rtol=1e-12)
+    assert_buffers_equal(buffers_of(ours), buffers_of(ref))
+
+
+def test_stock_replica_success_leaves_the_rounds_alone() -> None:
+    # the hook fires on errors only: a forward called inside a user's `except` block still syncs
+    ours = nn.Sequential(NN.SyncBatchNorm1d(2, timeout=5)).double()
+    ref = nn.BatchNorm1d(2).double()
+    x = torch.randn(6, 2, dtype=torch.float64)
+    try:
+        raise KeyError("handled by the caller")
+    except KeyError:
+        outputs = forward_replicas(ours, x, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat(outputs), ref(x), atol=1e-12, rtol=1e-12)
+    assert_buffers_equal(buffers_of(ours[0]), buffers_of(ref))
+
+
 def test_replicas_disagreeing_on_dtype() -> None:
     bn = NN.SyncBatchNorm2d(3, timeout=30)  # float32 params accept float32 and bfloat16 input
     replicas = stock_replicas(bn, 2)
@@ -511,25 +556,50 @@ def test_failure_inside_the_layer_backward_releases_the_others() -> None:
     assert isinstance(results[0], ReplicaSyncError) and "replica 1 failed: RuntimeError" in str(results[0])
 
 
-def test_torch_replicate_still_has_the_loop_variable_that_round_detection_reads() -> None:
-    # torch_replicate_position reads replicate()'s local `j` (the replica index of its loop over
-    # devices); a torch that renamed it would make every round start by membership alone, and
-    # a failed step's surviving replicas could then join the next step's round
+@pytest.mark.skipif(backend.NATIVE_ROUNDS is None, reason="the native meetings are not loaded")
+@pytest.mark.parametrize("retain_graph", [False, True])
+def test_the_native_meetings_find_the_backward_pass_they_wait_in(retain_graph: bool) -> None:
+    # a backward waiter asks whether its graph task failed on another device's thread
+    # (src/graph_task.h finds the task from one exported accessor of its members): what it reads
+    # there agrees with what torch says of the same task, and outside a backward there is none
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(backend.NATIVE_ROUNDS.current_backward_pass())
+            return grad
+
+    assert backend.NATIVE_ROUNDS.current_backward_pass() is None
+    Probe.apply(torch.ones(2, requires_grad=True)).sum().backward(retain_graph=retain_graph)
+    assert seen == [(False, retain_graph)]
+
+
+def test_torch_replicate_still_has_the_locals_that_round_detection_reads() -> None:
+    # torch_replicate_call reads replicate()'s locals `j` (the replica index of its loop over
+    # devices) and `network` (the root it replicates); a torch that renamed `j` would make every
+    # round start by membership alone (a failed step's surviving replicas could then join the
+    # next step's round), one that renamed `network` would leave a failed replica's mates waiting
     from torch.nn.parallel.replicate import replicate
 
-    from functions.replicas import torch_replicate_position
+    from functions.replicas import torch_replicate_call
 
-    assert "j" in replicate.__code__.co_varnames
-    positions: list = []
+    assert {"j", "network"} <= set(replicate.__code__.co_varnames)
+    calls: list = []
 
     class Probe(nn.Module):
         def _replicate_for_data_parallel(self):
-            positions.append(torch_replicate_position())
+            calls.append(torch_replicate_call())
             return super()._replicate_for_data_parallel()
 
-    stock_replicas(nn.Sequential(Probe(), nn.Linear(2, 2)), 3)
-    assert positions == [0, 1, 2]
-    assert torch_replicate_position() is None  # not called from replicate()
+    root = nn.Sequential(Probe(), nn.Linear(2, 2))
+    stock_replicas(root, 3)
+    assert calls == [(0, root), (1, root), (2, root)]
+    assert torch_replicate_call() == (None, None)  # not called from replicate()
 
 
 def test_replicas_in_order_open_a_round_at_index_0_while_the_last_rounds_replicas_live() -> None:
