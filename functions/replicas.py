@@ -403,19 +403,16 @@ def torch_replicate_call(max_depth: int = 8) -> tuple[int | None, nn.Module | No
     return None, None
 
 
-_WATCHED_ROOTS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
 def release_rounds_on_failure(root: nn.Module) -> None:
     """Make every replica of ``root`` (a module that torch's ``replicate()`` replicates, as stock
     ``nn.DataParallel`` does) break the rounds of its synchronized layers when its forward
     raises, wherever it raised: the replicas waiting at a meeting of that step are released at
     once (a :class:`ReplicaSyncError` naming the failed replica and its error) instead of after
     their timeout. One forward hook, ``always_call=True``, on ``root``, whose replicas share it
-    (``replicate()`` copies a module's ``__dict__`` shallowly); registered once per root."""
-    if root not in _WATCHED_ROOTS:
+    (``replicate()`` copies a module's ``__dict__`` shallowly), and which a deep copy or a
+    pickle of ``root`` keeps; registered once per root."""
+    if not any(hook is _break_rounds_if_raised for hook in root._forward_hooks.values()):
         root.register_forward_hook(_break_rounds_if_raised, always_call=True)
-        _WATCHED_ROOTS.add(root)
 
 
 def _break_rounds_if_raised(replica: nn.Module, args: Any, result: Any) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import io
 import threading
 import time
 from typing import Callable
@@ -386,6 +387,14 @@ def test_stock_replica_success_leaves_the_rounds_alone() -> None:
     with torch.no_grad():
         torch.testing.assert_close(torch.cat(outputs), ref(x), atol=1e-12, rtol=1e-12)
     assert_buffers_equal(buffers_of(ours[0]), buffers_of(ref))
+    # one hook, however many steps; the model still copies, pickles and loads as before
+    forward_replicas(ours, x, 2)
+    assert sum(h is replicas._break_rounds_if_raised for h in ours._forward_hooks.values()) == 1
+    buffer = io.BytesIO()
+    torch.save(copy.deepcopy(ours), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.state_dict().keys() == ours.state_dict().keys()
 
 
 def test_replicas_disagreeing_on_dtype() -> None:
