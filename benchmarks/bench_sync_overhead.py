@@ -6,8 +6,9 @@ backward (the input requires grad, as inside a network) of a tiny (8, 8, 4, 4) f
 - threads: ``ThreadedDataParallel(["cpu"] * R)`` over our ``SyncBatchNorm2d`` against
   ``nn.BatchNorm2d`` (unsynced) in the same wrapper, R = 2, 4, 8; ``torch.utils.benchmark``
   ``blocked_autorange``, the contenders taken in turn over rounds, medians; our replicas meet
-  natively (one call per layer and direction, the default with the compiled module) and through
-  the Python exchange (what serves without the compiled module);
+  natively (one call per layer and direction, the default) and through the autograd Function in
+  Python (the in-place activated layers' path), whose replicas exchange Python objects at the same
+  native meeting;
 - a small ResNet (stem + 8 basic blocks: 17 batch norms, residual adds; batch 16x3x16x16), one
   training step (forward, loss, backward) under 4 thread replicas, converted against unsynced,
   and the converted net whose layers meet no one (each replica normalizing its own chunk through
@@ -104,18 +105,14 @@ def interleaved(timers: dict, min_run_time: float, rounds: int) -> dict:
 
 def threads_row(replicas: int, min_run_time: float, rounds: int, native: bool) -> tuple[float, float]:
     """Per-layer seconds of ours and of torch's unsynced layer under R thread replicas; ours
-    meeting natively or through the Python exchange."""
+    in one native call each, or through the autograd Function in Python."""
     timers = {
         (kind, depth): step_of(ThreadedDataParallel(stack(layer, depth), ["cpu"] * replicas), SHAPE[0])
         for kind, layer in (("ours", NN.SyncBatchNorm2d), ("torch", nn.BatchNorm2d))
         for depth in (1, DEEP)
     }
-    kept = backend.NATIVE_ROUNDS
-    backend.NATIVE_ROUNDS = kept if native else None
-    try:
+    with mock.patch.object(modules.batchnorm, "native_serves", modules.batchnorm.native_serves if native else lambda: False):
         t = interleaved(timers, min_run_time, rounds)
-    finally:
-        backend.NATIVE_ROUNDS = kept
     return per_layer(t["ours", DEEP], t["ours", 1]), per_layer(t["torch", DEEP], t["torch", 1])
 
 
@@ -403,7 +400,7 @@ def main() -> None:
         ]
         print(resnet_lines[-1], flush=True)
     for replicas in replica_counts:
-        for native, how in ((True, "native meeting"), (False, "Python exchange")):
+        for native, how in ((True, "native call"), (False, "autograd Function")):
             (ours, theirs), stolen = least_stolen(lambda: threads_row(replicas, min_run_time, rounds, native))
             lines.append(
                 f"| ThreadedDataParallel, {replicas} CPU replicas, {how} | {us(ours)} | {us(theirs)} | {us(ours - theirs)} "
@@ -440,7 +437,7 @@ def main() -> None:
     )
     print(lines[-1], flush=True)
     lines += resnet_lines
-    lines += ["", "The bare Python exchange (`ReplicaRound.exchange`, R threads, a combine that sums ints), per exchange:", ""]
+    lines += ["", "The bare exchange of Python objects (`ReplicaRound.exchange`, R threads, a combine that sums ints), per exchange:", ""]
     exchanges, stolen = least_stolen(lambda: {r: bare_exchange(r) for r in replica_counts})
     lines.append(" ".join(f"{r} threads: {us(t)} us;" for r, t in exchanges.items()).rstrip(";") + f" (CPU stolen {stolen_text(stolen)})")
     lines.append(end)

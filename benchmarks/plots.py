@@ -7,8 +7,8 @@ Each benchmark script writes its section of RESULTS.md between markers such as
 tables of these sections and writes one PNG per figure into ``docs/img/`` (shown by
 ``docs/performance.md``):
 
-- ``sync_overhead.png``: what synchronizing adds per layer, thread replicas, native meeting
-  against the Python exchange (``bench_sync_overhead``);
+- ``sync_overhead.png``: what synchronizing adds per layer, thread replicas, one native call per
+  layer against the autograd Function (``bench_sync_overhead``);
 - ``memory.png``: a training step's peak memory over resting, in-place activated batch norm
   against torch's batch norm + LeakyReLU (``bench_memory``);
 - ``compile_ranks.png``: a step under DDP over 2 Gloo ranks, eager against compiled
@@ -104,10 +104,13 @@ def caption(fig, text: str) -> None:
 def plot_sync_overhead(plt, section: str, out: Path) -> Path:
     rows = tables(section)[0]
     replicas = [2, 4, 8]
-    series = {"native meeting (default)": [], "Python exchange": []}
+    series = {"native call (default)": [], "autograd Function": []}
+    # the rows' names before and since the Function path met natively too
+    names = {"native call (default)": ("native call", "native meeting"), "autograd Function": ("autograd Function", "Python exchange")}
     for r in replicas:
-        for label, key in (("native meeting (default)", "native meeting"), ("Python exchange", "Python exchange")):
-            row = next(row for row in rows if row["path"] == f"ThreadedDataParallel, {r} CPU replicas, {key}")
+        for label, keys in names.items():
+            paths = [f"ThreadedDataParallel, {r} CPU replicas, {key}" for key in keys]
+            row = next(row for row in rows if row["path"] in paths)
             series[label].append(number(row["synchronizing adds"]))
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.38

@@ -13,8 +13,8 @@ The dispatcher picks the kernel by the tensors' device; this module decides what
   reference serves CUDA too. Our CUDA kernels (``src/cuda``, built into ``functions/_C_cuda``
   where torch is a CUDA build and a toolkit is found) are loaded and registered instead only
   with ``SYNCBN_CUDA_KERNELS=compiled`` (opt-in until they beat torch's ops in every layout).
-- ``SYNCBN_KERNELS=reference`` loads nothing and registers nothing: the reference serves every
-  device (to debug, or to test it).
+- ``SYNCBN_KERNELS=reference`` registers no compiled kernel: the reference serves every device
+  (to debug, or to test it); the compiled module still serves the replicas' native meeting.
 """
 from __future__ import annotations
 
@@ -70,11 +70,9 @@ def import_extension(name: str) -> tuple[ModuleType | None, str]:
         return None, f"{files[0]} failed to load: {error}"
 
 
-def load_compiled() -> ModuleType | None:
+def load_extension() -> ModuleType | None:
     """The compiled extension built for the best instruction set this CPU has, or None with one
     warning that says why (not built, or built but failing to load) and how to (re)build it."""
-    if FORCE_REFERENCE:
-        return None
     tried = []
     for capability in usable_cpu_capabilities():
         module, problem = import_extension(f"_C_{capability.lower()}")
@@ -87,7 +85,7 @@ def load_compiled() -> ModuleType | None:
     how = f"rebuild them against this torch: {BUILD_HINT}" if failed else BUILD_HINT
     warnings.warn(
         f"syncbn: {what} ({LOAD_PROBLEMS['cpu']}); the pure-PyTorch reference kernels serve every device, "
-        f"which is slower: {how}",
+        f"which is slower, and replicas in one process cannot synchronize: {how}",
         RuntimeWarning,
         stacklevel=2,
     )
@@ -132,20 +130,23 @@ def load_compiled_cuda() -> ModuleType | None:
     return module
 
 
-COMPILED = load_compiled()
+EXTENSION = load_extension()
+"""The compiled module (src/bindings.cpp), or None where it is not built: its kernels, and the
+native synchronized call whose ``ReplicaRound`` and ``sync_batch_norm`` (src/sync_batch_norm.cpp)
+serve every synchronized call in one native call per replica and direction."""
+COMPILED: ModuleType | None = None if FORCE_REFERENCE else EXTENSION
+"""The compiled module where its kernels serve (registered here), None where the reference does."""
 note_cuda_build_failure()
 COMPILED_CUDA = load_compiled_cuda() if CUDA_OPT_IN else None
-if COMPILED is not None and COMPILED_CUDA is None:
-    COMPILED.register_torch_cuda_ops()  # src/torch_cuda_ops.cpp: torch's CUDA ops, in C++
+if COMPILED is not None:
+    COMPILED.register_cpu_kernels()
+    if COMPILED_CUDA is None:
+        COMPILED.register_torch_cuda_ops()  # src/torch_cuda_ops.cpp: torch's CUDA ops, in C++
 
-NATIVE_ROUNDS_ENV = "SYNCBN_NATIVE_ROUNDS"
-NATIVE_ROUNDS: ModuleType | None = (
-    COMPILED if COMPILED is not None and os.environ.get(NATIVE_ROUNDS_ENV, "1") != "0" else None
-)
-"""The compiled module whose ``ReplicaRound`` and ``sync_batch_norm`` (src/sync_batch_norm.cpp)
-serve every synchronized call in one native call per replica and direction, or None where the
-Python path serves (the autograd Function and :mod:`functions.synchronization`): no compiled
-kernels, the reference asked for, or ``$SYNCBN_NATIVE_ROUNDS=0``. Either serves every device."""
+NATIVE_ROUNDS: ModuleType | None = EXTENSION
+"""What serves synchronized calls natively: the compiled module, whichever kernels serve (under
+``SYNCBN_KERNELS=reference`` it calls the reference through the dispatcher). Without it, a layer
+synchronizes across ranks through the autograd Function, and refuses replicas in one process."""
 
 
 def set_thread_intra_op_threads(threads: int) -> bool:
@@ -154,9 +155,9 @@ def set_thread_intra_op_threads(threads: int) -> bool:
     ``torch.set_num_threads``' process-wide value, and so every other thread, alone. Returns
     whether this thread now has them: False without the compiled module (reference kernels) or
     where torch does not run on OpenMP (then nothing changed)."""
-    if COMPILED is None:
+    if EXTENSION is None:
         return False
-    return COMPILED.set_thread_intra_op_threads(threads) == threads
+    return EXTENSION.set_thread_intra_op_threads(threads) == threads
 
 
 _BACKEND_NAMES = {

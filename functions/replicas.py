@@ -15,14 +15,13 @@ Where a round begins:
   a replicate() holds every replica of a round alive while it creates them and drops them after
   the step, so a replica whose round-mates are all gone starts a new round.
 
-Replicas exchange through :meth:`ReplicaRound.exchange`, keyed by direction and by the replica's
-call number, so a layer called twice syncs twice and backward meets the right forward. Every
-wait has a timeout; a failure or a timeout breaks the round for every replica at once.
-
-Where the compiled module is loaded (:data:`functions.backend.NATIVE_ROUNDS`), a round meets
-natively instead: :meth:`ReplicaRound.native` is its C++ side (src/replica_round.h: the same
-keys, timeouts, messages and aborts), where a replica posts and waits without the GIL in one call
-per layer and direction (src/sync_batch_norm.cpp).
+Replicas meet in the round's native side (src/replica_round.h), keyed by direction and by the
+replica's call number, so a layer called twice syncs twice and backward meets the right forward:
+natively for the whole synchronized call where the compiled module serves it
+(src/sync_batch_norm.cpp), or exchanging Python objects (:meth:`ReplicaRound.exchange`) where an
+autograd Function in Python does the work. Every wait has a timeout; a failure or a timeout
+breaks the round for every replica at once. Without the compiled module replicas cannot meet: the
+first exchange raises an error that says how to build it.
 """
 from __future__ import annotations
 
@@ -30,7 +29,6 @@ import functools
 import os
 import sys
 import threading
-import time
 import weakref
 from typing import Any, Callable, Iterable, Sequence
 
@@ -102,20 +100,10 @@ def resolve_timeout(timeout: float | None) -> float:
     return float(timeout)
 
 
-class _Slot:
-    """One exchange: the payloads posted so far, and the master's result once it is there."""
-
-    __slots__ = ("payloads", "result", "done", "taken")
-
-    def __init__(self) -> None:
-        self.payloads: dict[int, Any] = {}
-        self.result: Any = None
-        self.done = False
-        self.taken = 0
-
-
 class ReplicaRound:
-    """The replicas of one layer that one replicate() call created, for one step."""
+    """The replicas of one layer that one replicate() call created, for one step. They meet in
+    the round's native side (src/replica_round.h), made at the first exchange; this holds who
+    belongs and why the round broke, where Python broke it."""
 
     def __init__(self, layer: str, number: int, timeout: float) -> None:
         self.layer = layer
@@ -123,14 +111,8 @@ class ReplicaRound:
         self.timeout = timeout
         self._spin_us = spin_from_environment()  # for the native side; may raise (a bad $SYNCBN_SPIN_US)
         self._members: list[weakref.ref] = []
-        self._lock = threading.RLock()
-        # two queues on one lock, so that a replica's post wakes nobody but the master, and
-        # only when it completes the set: where replicas outnumber cores, every needless
-        # wake-up costs a context switch and a turn of the GIL
-        self._all_arrived = threading.Condition(self._lock)  # the master waits for the payloads
-        self._published = threading.Condition(self._lock)  # the others wait for its result
+        self._lock = threading.Lock()
         self._sealed = False
-        self._slots: dict[Key, _Slot] = {}
         self._failure: tuple[int | None, BaseException] | None = None
         self._native: Any = None
 
@@ -150,9 +132,8 @@ class ReplicaRound:
 
     @property
     def spin_us(self) -> float:
-        """How long a replica waiting at this round's native meetings polls, where a core is
-        spare, before it sleeps: ``$SYNCBN_SPIN_US`` as the round began, else
-        :data:`DEFAULT_SPIN_US`."""
+        """How long a replica waiting at this round's meetings polls, where a core is spare,
+        before it sleeps: ``$SYNCBN_SPIN_US`` as the round began, else :data:`DEFAULT_SPIN_US`."""
         return self._spin_us if self._spin_us is not None else DEFAULT_SPIN_US
 
     @property
@@ -168,21 +149,25 @@ class ReplicaRound:
         with self._lock:
             if self._failure is None:
                 self._failure = (index, error)
-            self._wake_everyone()
             native = self._native
         if native is not None:
             native.abort(self._failure_reason())
 
     def native(self) -> Any:
         """The round's native side (:data:`functions.backend.NATIVE_ROUNDS`), made at its first
-        native exchange, which seals the round; broken already where the round is."""
+        exchange, which seals the round; broken already where the round is. Without the compiled
+        module, replicas cannot meet: a clear error says how to build it."""
         native = self._native  # set once, never unset: read without the lock on every call after
         if native is not None:
             return native
+        if backend.NATIVE_ROUNDS is None:
+            raise RuntimeError(
+                f"{self.layer}: synchronizing replicas in one process needs the compiled extension, which is "
+                f"not loaded ({backend.LOAD_PROBLEMS.get('cpu', 'not built')}): {backend.BUILD_HINT}"
+            )
         with self._lock:
             if self._native is None:
                 self._sealed = True
-                assert backend.NATIVE_ROUNDS is not None
                 self._native = backend.NATIVE_ROUNDS.ReplicaRound(
                     self.size, self.timeout, self.layer, self.number, self.spin_us, usable_cores()
                 )
@@ -203,92 +188,20 @@ class ReplicaRound:
         who = "a replica" if index is None else f"replica {index}"
         return f"{who} failed: {type(cause).__name__}: {cause}"
 
-    def _wake_everyone(self) -> None:
-        self._all_arrived.notify_all()
-        self._published.notify_all()
-
     def exchange(self, key: Key, index: int, payload: Any, combine: Callable[[list[Any]], Any]) -> Any:
-        """Post ``payload``; the master combines all payloads (in index order) and every
-        replica returns the master's result. Raises :class:`ReplicaSyncError` on timeout or
-        when another replica failed; an error raised by ``combine`` is re-raised by the master
-        and breaks the round for the others."""
-        deadline = time.monotonic() + self.timeout
-        with self._lock:
-            self._sealed = True
-            slot = self._slots.setdefault(key, _Slot())
-            if self._failure is not None:
-                raise self._aborted_error(key, slot)
-            slot.payloads[index] = payload
-            if len(slot.payloads) == self.size:
-                self._all_arrived.notify_all()
-            if index == 0:
-                self._wait(self._all_arrived, key, slot, deadline, lambda: len(slot.payloads) == self.size)
-                payloads = [slot.payloads[i] for i in range(self.size)]
-        if index == 0:
-            try:
-                result = combine(payloads)
-            except BaseException as error:
-                self.abort(error, 0)
-                raise
-        with self._lock:
-            if index == 0:
-                if self._failure is not None:  # broken while combining: publish nothing
-                    raise self._aborted_error(key, slot)
-                slot.result, slot.done = result, True
-                self._published.notify_all()
-            else:
-                self._wait(self._published, key, slot, deadline, lambda: slot.done)
-            slot.taken += 1
-            if slot.taken == self.size:
-                del self._slots[key]
-            return slot.result
-
-    def _wait(
-        self, condition: threading.Condition, key: Key, slot: _Slot, deadline: float, ready: Callable[[], bool]
-    ) -> None:
-        """Wait on ``condition`` (its lock held) until ``ready()``, a failure, or the deadline.
-
-        Once every replica has arrived, the master's combine decides (it publishes, or breaks
-        the round when it raises), so the deadline is extended once by the timeout: a replica
-        must not give up on a result that the master is about to publish.
-        """
-        extended = False
-        while not ready():
-            if self._failure is not None:
-                raise self._aborted_error(key, slot)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 and not extended and len(slot.payloads) == self.size:
-                deadline, extended = deadline + self.timeout, True
-                continue
-            if remaining <= 0:
-                error = self._timeout_error(key, slot)
-                self._failure = (None, error)
-                self._wake_everyone()
-                raise error
-            condition.wait(remaining)
-
-    def _where(self, key: Key, slot: _Slot) -> str:
+        """Post ``payload``; the master's ``combine`` (run once over all payloads, in index
+        order, by the replica that arrives last) returns the result that every replica returns.
+        Raises :class:`ReplicaSyncError` on timeout or when another replica failed (its error
+        chained); an error raised by ``combine`` reaches the master as it is and breaks the round
+        for the others."""
         direction, call = key
-        arrived = sorted(slot.payloads)
-        missing = [i for i in range(self.size) if i not in slot.payloads]
-        return (
-            f"{self.layer}, {direction} call {call} of replica round {self.number}: "
-            f"replicas {arrived} of {self.size} arrived, {missing} missing"
-        )
-
-    def _timeout_error(self, key: Key, slot: _Slot) -> ReplicaSyncError:
-        return ReplicaSyncError(
-            f"{self._where(key, slot)} after waiting {self.timeout:g}s. A replica raised "
-            "before reaching this layer, skipped it in a data-dependent branch, or called it "
-            f"a different number of times. The wait is set by timeout= or ${TIMEOUT_ENV}."
-        )
-
-    def _aborted_error(self, key: Key, slot: _Slot) -> ReplicaSyncError:
-        cause = self.failure_cause
-        error = ReplicaSyncError(f"{self._where(key, slot)}; {self._failure_reason()}")
-        if not isinstance(cause, ReplicaSyncError):
-            error.__cause__ = cause
-        return error
+        try:
+            return self.native().exchange(direction, call, index, payload, lambda payloads: [combine(payloads)] * self.size)
+        except ReplicaSyncError as error:
+            cause = self.failure_cause
+            if error.__cause__ is None and cause is not None and not isinstance(cause, ReplicaSyncError):
+                error.__cause__ = cause
+            raise
 
 
 class ReplicaCall:

@@ -10,10 +10,11 @@ that fails at once (:meth:`Synchronizer.judge_gathered`, :meth:`Synchronizer.jud
 where the checks are deferred, to queue the verdicts that it has copied to host memory itself
 (:meth:`Synchronizer.defer_gathered`, :meth:`Synchronizer.defer_summed`). On the Python path the autograd Function
 meets the other replicas once per direction, with :meth:`Synchronizer.on_master`: each replica posts
-its part of the call (its tensors, and the stream it runs on) to its round
-(:mod:`functions.replicas`) and waits; the master replica (index 0) does the whole call for every
-replica, in replica order, and hands each its own result. The master's work asks this class for
-what crosses replicas and ranks:
+its part of the call (its tensors, and the stream it runs on) to its round (the same native
+meeting: :meth:`functions.replicas.ReplicaRound.exchange`) and waits; the master's work (run by
+the replica that arrives last) does the whole call for every replica, in replica order, on each
+part's stream, and hands each its own result. The master's work asks this class for what
+crosses replicas and ranks:
 
 - :meth:`Synchronizer.merge_stats`: the replicas' (count, mean, M2) fetched onto the master's
   device after each part's work (:mod:`functions.devices`: an event per part, no host sync),
@@ -26,12 +27,11 @@ what crosses replicas and ranks:
   on (:func:`functions.devices.on_stream`); what the master made on its own device reaches the
   others after an event (:func:`functions.devices.fetch`).
 
-Why the master does every replica's work: replicas are threads of one process, and every call
-into torch hands the GIL to another runnable replica and waits to get it back. A replica that
-only posts and waits makes no such call while the others run; the master's calls find no one
-waiting for the GIL (measured in benchmarks/bench_sync_overhead.py). The kernels' own work is
-not serialized by it where it matters: CUDA kernels are queued on each replica's stream, and the
-CPU kernels use every core themselves.
+Why one replica does every replica's work on this path: replicas are threads of one process, and
+every call into torch from Python hands the GIL to another runnable replica and waits to get it
+back. A replica that only posts and waits (without the GIL) makes no such call while the others
+run. The kernels' own work is not serialized by it where it matters: CUDA kernels are queued on
+each replica's stream, and the CPU kernels use every core themselves.
 
 Whoever catches an error during the call hands it to :meth:`Synchronizer.fail`: the other
 replicas of the round are released at once (they raise instead of waiting), and a process master

@@ -1,9 +1,13 @@
-// The Python module functions._C_<capability> (see setup.py). Importing it registers the CPU
-// kernels as the CPU implementations of the torch.ops.syncbn operators (declared in
-// functions/ops.py); the module itself only says which instruction set it was built for.
+// The Python module functions._C_<capability> (see setup.py): the CPU kernels, registered as the
+// CPU implementations of the torch.ops.syncbn operators (declared in functions/ops.py) when
+// functions/backend.py asks (register_cpu_kernels; not under SYNCBN_KERNELS=reference, where the
+// module still serves the replicas' native meeting), the default CUDA kernels
+// (src/torch_cuda_ops.cpp) likewise, and the native synchronized call (src/sync_batch_norm.cpp).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <torch/library.h>
+
+#include <memory>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -11,9 +15,16 @@
 #include "cpu/batch_norm_cpu.h"
 #include "torch_cuda_ops.h"
 
-SYNCBN_REGISTER_KERNELS(CPU, syncbn::cpu)
-
 namespace syncbn {
+
+// The CPU kernels as the CPU kernels of torch.ops.syncbn, once per process.
+void register_cpu_kernels() {
+  static std::unique_ptr<torch::Library> library;
+  if (library) return;
+  library = std::make_unique<torch::Library>(torch::Library::IMPL, "syncbn", c10::DispatchKey::CPU, __FILE__, __LINE__);
+  SYNCBN_IMPL_KERNELS((*library), syncbn::cpu)
+}
+
 void bind_sync_batch_norm(pybind11::module_& m);  // src/sync_batch_norm.cpp
 
 // This thread's intra-op threads: the OpenMP team of the parallel regions that torch's CPU kernels
@@ -34,6 +45,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "CPU kernels of the synchronized batch norm, registered as torch.ops.syncbn.* for CPU tensors";
   m.attr("capability") = syncbn::cpu::capability();
   syncbn::bind_sync_batch_norm(m);
+  m.def("register_cpu_kernels", &syncbn::register_cpu_kernels,
+        "Register the CPU kernels (src/cpu) as the CPU kernels of torch.ops.syncbn");
   m.def("register_torch_cuda_ops", &syncbn::torch_cuda::register_torch_cuda_ops,
         "Register torch's SyncBN CUDA ops and ATen (src/torch_cuda_ops.cpp) as the CUDA kernels of torch.ops.syncbn");
   namespace torch_cuda = syncbn::torch_cuda;

@@ -105,24 +105,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_train(
 
 }  // namespace syncbn
 
-// Registers (in a file that includes <torch/library.h>) the kernels of namespace NS (local_stats, merge_stats, merge_gathered_stats,
-// elemt_forward, backward_reduce, backward_elemt, backward_affine_act, abn_*) and the composite operators for the
-// dispatch key KEY (CPU, CUDA).
-#define SYNCBN_REGISTER_KERNELS(KEY, NS)                                    \
-  TORCH_LIBRARY_IMPL(syncbn, KEY, m) {                                      \
-    m.impl("local_stats", TORCH_FN(NS::local_stats));                       \
-    m.impl("merge_stats", TORCH_FN(NS::merge_stats));                       \
-    m.impl("elemt_forward", TORCH_FN(NS::elemt_forward));                   \
-    m.impl("backward_reduce", TORCH_FN(NS::backward_reduce));               \
-    m.impl("backward_elemt", TORCH_FN(NS::backward_elemt));                 \
-    m.impl("backward_affine_act", TORCH_FN(NS::backward_affine_act));       \
-    m.impl("abn_forward_", TORCH_FN(NS::abn_forward_));                     \
-    m.impl("abn_backward_reduce", TORCH_FN(NS::abn_backward_reduce));       \
-    m.impl("abn_backward_elemt", TORCH_FN(NS::abn_backward_elemt));         \
-    m.impl("abn_backward_elemt_", TORCH_FN(NS::abn_backward_elemt_));       \
-    m.impl("merge_gathered_stats", TORCH_FN(NS::merge_gathered_stats));     \
-    m.impl("update_running_stats", TORCH_FN(syncbn::update_running_stats)); \
-    m.impl("batch_norm_train", TORCH_FN(syncbn::batch_norm_train));         \
-    m.impl("pack_row", TORCH_FN(syncbn::pack_row));                         \
-    m.impl("unpack_row", TORCH_FN(syncbn::unpack_row));                     \
-  }
+// The kernels of namespace NS (local_stats, merge_stats, merge_gathered_stats, elemt_forward,
+// backward_reduce, backward_elemt, backward_affine_act, abn_*) and the composite operators, as
+// impl calls on the torch::Library `m` of one dispatch key (in a file that includes
+// <torch/library.h>).
+#define SYNCBN_IMPL_KERNELS(m, NS)                                         \
+  m.impl("local_stats", TORCH_FN(NS::local_stats));                       \
+  m.impl("merge_stats", TORCH_FN(NS::merge_stats));                       \
+  m.impl("elemt_forward", TORCH_FN(NS::elemt_forward));                   \
+  m.impl("backward_reduce", TORCH_FN(NS::backward_reduce));               \
+  m.impl("backward_elemt", TORCH_FN(NS::backward_elemt));                 \
+  m.impl("backward_affine_act", TORCH_FN(NS::backward_affine_act));       \
+  m.impl("abn_forward_", TORCH_FN(NS::abn_forward_));                     \
+  m.impl("abn_backward_reduce", TORCH_FN(NS::abn_backward_reduce));       \
+  m.impl("abn_backward_elemt", TORCH_FN(NS::abn_backward_elemt));         \
+  m.impl("abn_backward_elemt_", TORCH_FN(NS::abn_backward_elemt_));       \
+  m.impl("merge_gathered_stats", TORCH_FN(NS::merge_gathered_stats));     \
+  m.impl("update_running_stats", TORCH_FN(syncbn::update_running_stats)); \
+  m.impl("batch_norm_train", TORCH_FN(syncbn::batch_norm_train));         \
+  m.impl("pack_row", TORCH_FN(syncbn::pack_row));                         \
+  m.impl("unpack_row", TORCH_FN(syncbn::unpack_row));
+
+// Registers them for the dispatch key KEY when the library loads (the CUDA extension).
+#define SYNCBN_REGISTER_KERNELS(KEY, NS) \
+  TORCH_LIBRARY_IMPL(syncbn, KEY, m) { SYNCBN_IMPL_KERNELS(m, NS) }

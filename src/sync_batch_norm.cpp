@@ -9,10 +9,11 @@
 // and invstd, and each replica normalizes its own input. The backward node does the same with
 // the (sum_dy, sum_dy_xmu) sums (the all_reduce through Synchronizer.reduce_row). Each replica's
 // kernels run in its own thread, on its own stream, in parallel; only the merge is the master's work.
-// The math is functions/sync_batchnorm.py's (the Python path, which serves without this module;
-// there the master does every replica's work, since a Python thread pays for each call into
-// torch with a turn of the GIL), over the same torch.ops.syncbn operators, called through the
-// dispatcher (a part on a GPU takes the CUDA kernels). Device-generic: what crosses devices is
+// The math is functions/sync_batchnorm.py's (the autograd Function's path, whose replicas meet at
+// the same round exchanging Python objects, one of them doing every replica's work, since a
+// Python thread pays for each call into torch with a turn of the GIL), over the same
+// torch.ops.syncbn operators, called through the dispatcher (a part on a GPU takes the CUDA
+// kernels). Device-generic: what crosses devices is
 // fenced by an event and kept alive for the copying stream (record_stream), as
 // functions/devices.py does.
 #include <ATen/Dispatch.h>
@@ -748,10 +749,16 @@ at::Tensor sync_batch_norm(const std::shared_ptr<ReplicaRound>& round, int64_t i
   });
 }
 
+PyObject* replica_sync_error_type() { return replica_sync_error; }
+
+void bind_object_exchange(pybind11::class_<ReplicaRound, std::shared_ptr<ReplicaRound>>& round);  // src/object_exchange.cpp
+
 void bind_sync_batch_norm(pybind11::module_& m) {
   namespace py = pybind11;
-  py::class_<ReplicaRound, std::shared_ptr<ReplicaRound>>(
-      m, "ReplicaRound", "The native side of functions.replicas.ReplicaRound (src/replica_round.h)")
+  py::class_<ReplicaRound, std::shared_ptr<ReplicaRound>> round(
+      m, "ReplicaRound", "The meeting of a layer's replicas in one step (src/replica_round.h)");
+  bind_object_exchange(round);
+  round
       .def(py::init<int64_t, double, std::string, int64_t, double, int64_t>(), py::arg("size"), py::arg("timeout"),
            py::arg("layer"), py::arg("number"), py::arg("spin_us"), py::arg("cores") = 0)
       .def_property_readonly("size", &ReplicaRound::size)

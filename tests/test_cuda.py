@@ -23,6 +23,7 @@ from functions import backend, devices, sync_batch_norm
 from functions import reference as ref
 from modules import nn as NN
 import test_kernels as kernel_tests  # its tolerances and inputs (tests/ is on the path: pytest.ini)
+from testkit.paths import through_the_function
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA is not available: these tests need a GPU"
@@ -39,11 +40,11 @@ DEVICE = "cuda"
 @pytest.fixture(params=["native", "python"])
 def exchange_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Where the replicas meet: natively (src/sync_batch_norm.cpp: device-generic events and
-    record_stream; run on one H200) or through the Python exchange."""
+    record_stream; run on one H200) or through the autograd Function, at the same native round."""
     if request.param == "python":
-        monkeypatch.setattr(backend, "NATIVE_ROUNDS", None)
+        through_the_function(monkeypatch)
     elif backend.NATIVE_ROUNDS is None:
-        pytest.skip("the compiled module is not loaded: the Python exchange serves")
+        pytest.skip("the compiled module is not loaded: replicas cannot meet")
     return request.param
 
 

@@ -17,6 +17,7 @@ from helpers import count_exchanges, randomize_affine
 from modules import nn as NN
 from modules.parallel import ThreadedDataParallel
 from testkit.lockstep import assert_agree, train_side_by_side
+from testkit.paths import through_the_function
 
 TOL = dict(atol=1e-9, rtol=1e-9)
 TORCH_BN = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
@@ -97,7 +98,7 @@ def test_frozen_matches_eval_mode_with_trainable_affine(activation, negative_slo
 @pytest.mark.parametrize("activation,negative_slope", ACTIVATIONS[1:])
 def test_fused_training_through_the_python_exchange(monkeypatch: pytest.MonkeyPatch, activation, negative_slope) -> None:
     # what serves without the compiled module (tests/test_parity.py)
-    monkeypatch.setattr(backend, "NATIVE_ROUNDS", None)
+    through_the_function(monkeypatch)
     ref, ours = make_pair(4, 3, activation, negative_slope=negative_slope)
     train_pair(ref, ours, (7, 3, 5, 4), True, 3, memory_format=torch.channels_last)
 

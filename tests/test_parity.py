@@ -12,6 +12,7 @@ from functions import backend
 from helpers import randomize_affine, train_in_lockstep
 from modules import nn as NN
 from modules.parallel import ThreadedDataParallel
+from testkit.paths import through_the_function
 
 CL2, CL3 = torch.channels_last, torch.channels_last_3d
 
@@ -31,8 +32,8 @@ def test_2d_network_uneven_chunks(replicas: int, batch: int) -> None:
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_the_python_exchange_is_exact_too(monkeypatch: pytest.MonkeyPatch, bn_args: dict, replicas: int) -> None:
     # the replicas meet natively where the compiled module is loaded (one call per layer and
-    # direction); the Python exchange serves without the module
-    monkeypatch.setattr(backend, "NATIVE_ROUNDS", None)
+    # direction); the autograd Function (the in-place layers' path) meets at the same round
+    through_the_function(monkeypatch)
     train_in_lockstep(lambda: conv_bn_2d(**bn_args), (10, 3, 5, 6), replicas)
 
 
@@ -137,7 +138,7 @@ def test_shared_layer_called_twice() -> None:
     train_in_lockstep(Twice, (10, 4, 3, 3), 4)
 
 
-@pytest.mark.skipif(backend.NATIVE_ROUNDS is None, reason="the native meeting needs the compiled module")
+@pytest.mark.skipif(backend.COMPILED is None, reason="the reference serves merge_stats: other arithmetic, other bits")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_the_native_merge_of_host_replicas_has_the_merge_operators_bits(dtype: torch.dtype) -> None:
     # CPU replicas merge in two loops over the channels (src/sync_batch_norm.cpp), not through

@@ -19,6 +19,7 @@ from functions.replicas import ReplicaRound, resolve_timeout
 from helpers import replayed_replicas, run_threads, share_of_a_counting_thread, stock_replicas
 from modules import nn as NN
 from modules.parallel import ThreadedDataParallel
+from testkit.paths import through_the_function
 
 
 class RaiseOn(nn.Module):
@@ -464,6 +465,20 @@ def test_empty_replica_batch_joins_the_exchange() -> None:
     assert_buffers_equal(buffers_of(bn), buffers_of(ref))
 
 
+def test_without_the_compiled_module_replicas_refuse_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # one meeting, native: without the compiled module every replica raises an error that says how
+    # to build it, at once and before any state changes; one device and ranks still work
+    monkeypatch.setattr(backend, "NATIVE_ROUNDS", None)
+    bn = NN.SyncBatchNorm2d(3, timeout=30).double()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"SyncBatchNorm2d\(3\): synchronizing replicas in one process needs the compiled extension.*make_ext.sh"):
+        ThreadedDataParallel(bn, ["cpu"] * 2)(torch.randn(4, 3, 2, 2, dtype=torch.float64))
+    assert time.monotonic() - start < 5
+    assert int(bn.num_batches_tracked) == 0
+    x = torch.randn(4, 3, 2, 2, dtype=torch.float64)
+    torch.testing.assert_close(bn(x), nn.BatchNorm2d(3).double()(x), atol=1e-12, rtol=1e-12)
+
+
 def test_round_exchange_keys_are_cleaned_up() -> None:
     round = ReplicaRound("layer", 1, timeout=5)
     members = [nn.Identity() for _ in range(3)]
@@ -471,7 +486,9 @@ def test_round_exchange_keys_are_cleaned_up() -> None:
         round.add(m)
     results = run_threads([lambda i=i: round.exchange(("forward", 0), i, i + 1, sum) for i in range(3)])
     assert results == [6, 6, 6]
-    assert round._slots == {}
+    # the same key again meets afresh: the first exchange left nothing behind
+    results = run_threads([lambda i=i: round.exchange(("forward", 0), i, 10 * (i + 1), sum) for i in range(3)])
+    assert results == [60, 60, 60]
 
 
 def test_abort_releases_a_waiting_master_and_a_waiting_replica_at_once() -> None:
@@ -516,9 +533,9 @@ def test_a_slow_master_combine_is_waited_for() -> None:
 @pytest.mark.parametrize("path", ["native", "python"])
 def test_a_replica_waiting_at_a_meeting_holds_no_gil(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     if path == "python":
-        monkeypatch.setattr(backend, "NATIVE_ROUNDS", None)
+        through_the_function(monkeypatch)
     elif backend.NATIVE_ROUNDS is None:
-        pytest.skip("the compiled module is not loaded: the Python exchange serves")
+        pytest.skip("the compiled module is not loaded: replicas cannot meet")
     x = torch.randn(4, 3, 2, 2, dtype=torch.float64, requires_grad=True)
 
     def meet(late_by: float) -> float:
@@ -637,9 +654,9 @@ def test_replicas_in_order_open_a_round_at_index_0_while_the_last_rounds_replica
 
 def exchange_path_of(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if path == "python":
-        monkeypatch.setattr(backend, "NATIVE_ROUNDS", None)
+        through_the_function(monkeypatch)
     elif backend.NATIVE_ROUNDS is None:
-        pytest.skip("the compiled module is not loaded: the Python exchange serves")
+        pytest.skip("the compiled module is not loaded: replicas cannot meet")
 
 
 class Checkpointed(nn.Module):

@@ -1,0 +1,14 @@
+"""Which path a synchronized call takes, for the tests that cover both: one native call per
+replica and direction (src/sync_batch_norm.cpp, the default where the compiled module is loaded),
+or the autograd Function in Python (functions/sync_batchnorm.py), whose replicas exchange Python
+objects at the same native meeting (functions.replicas.ReplicaRound.exchange)."""
+from __future__ import annotations
+
+import pytest
+
+import modules.batchnorm as batchnorm
+
+
+def through_the_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Synchronized calls take the autograd Function for the rest of the test."""
+    monkeypatch.setattr(batchnorm, "native_serves", lambda: False)
