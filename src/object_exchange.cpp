@@ -7,6 +7,8 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <functional>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -58,6 +60,10 @@ py::object exchange(ReplicaRound& round, const char* direction, int64_t call, in
     for (auto& part : parts) objects.append(std::move(part.object));
     std::vector<Part> results;
     for (auto item : combine(objects)) results.emplace_back(py::reinterpret_borrow<py::object>(item));
+    if (results.size() != parts.size()) {
+      throw std::length_error("ReplicaRound.exchange: combine returned " + std::to_string(results.size()) +
+                              " results for " + std::to_string(parts.size()) + " replicas");
+    }
     return results;
   };
   Part result;
