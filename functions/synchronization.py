@@ -213,6 +213,18 @@ class Synchronizer:
             report_failure(self.process_call, self.channels, self.device)
 
 
+def check_not_captured(input: Tensor, layer: str) -> None:
+    """A synchronized step waits for other threads or ranks and reads their verdicts on the host,
+    which a CUDA graph can neither capture nor replay: refused, naming ``layer``, before any work."""
+    if input.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{layer}: a training step synchronized across replicas or processes cannot be captured in a CUDA "
+            "graph (it meets the other replicas or ranks on the host). Capture a model whose layers run alone "
+            "(no DataParallel replicas, no process group of more than one rank, or in eval mode), or run the "
+            "synchronized step without capture."
+        )
+
+
 def _on_one_device(parts: list[LocalStats]) -> list[LocalStats]:
     """The parts with their mean and M2 on the first part's device, each copied (or, already
     there, read: replicas on one GPU may run on different streams) after the work that produced

@@ -18,7 +18,7 @@ from ..functions.lone_replica import takes_our_kernels
 from ..functions.distributed import ProcessGroupSync, active_process_group, consecutive_rank_groups
 from ..functions.reference import values_per_channel
 from ..functions.stats import check_values_per_channel
-from ..functions.synchronization import Synchronizer
+from ..functions.synchronization import Synchronizer, check_not_captured
 from ..functions.replicas import REPLICA_ATTR, ReplicaHandle, RoundTracker, resolve_timeout
 
 from .compiler import disable_when_compiling
@@ -315,23 +315,11 @@ class SyncBatchNorm(_BatchNorm):
         sync = Synchronizer.for_call(handle, group, self._process_sync, label, self.num_features, device)
         try:
             self._check_input(input, z)
-            self._check_not_captured(input, label)
+            check_not_captured(input, label)
             return self._synced(input, z, sync)
         except BaseException as error:
             sync.fail(error)
             raise
-
-    @staticmethod
-    def _check_not_captured(input: Tensor, label: str) -> None:
-        """A synchronized step waits for other threads or ranks and reads their verdicts on the
-        host, which a CUDA graph can neither capture nor replay: refuse before any work."""
-        if input.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"{label}: a training step synchronized across replicas or processes cannot be captured in a CUDA "
-                "graph (it meets the other replicas or ranks on the host). Capture the model where each layer is a "
-                "lone replica (no DataParallel replicas, no process group: process_group=None with one rank, or "
-                "the layer in eval mode), or run the synchronized step without capture."
-            )
 
     def _forward_traced(self, input: Tensor, z: Tensor | None, group: Any) -> Tensor:
         """Ranks alone (no replicas in the process) under torch.compile: the exchange as
