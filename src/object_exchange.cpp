@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "graph_task.h"
 #include "replica_round.h"
 
 namespace syncbn {
@@ -71,7 +72,9 @@ py::object exchange(ReplicaRound& round, const char* direction, int64_t call, in
   {
     py::gil_scoped_release no_gil;
     try {
-      result = round.exchange<Part, Part>(direction, call, index, Part(std::move(payload)), combine_parts);
+      // a backward wait ends where its backward pass failed on another device's thread
+      result = round.exchange<Part, Part>(direction, call, index, Part(std::move(payload)), combine_parts,
+                                          Direction == 1 ? current_graph_task_failed : nullptr);
     } catch (const RoundBroken& error) {
       broken = error.what();
     }
