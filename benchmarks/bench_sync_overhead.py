@@ -70,7 +70,7 @@ from functions import backend, checks, distributed  # noqa: E402
 from functions.replicas import ReplicaRound  # noqa: E402
 from helpers import BasicBlock  # noqa: E402
 import modules.batchnorm  # noqa: E402
-import modules.parallel  # noqa: E402
+import functions.replica_threads  # noqa: E402
 from modules import nn as NN  # noqa: E402
 from modules.parallel import ThreadedDataParallel  # noqa: E402
 from testkit.local_group import run_local_group  # noqa: E402
@@ -189,7 +189,7 @@ def resnet_without_thread_shares(replicas: int, min_run_time: float, threads: in
     torch.manual_seed(0)
     timer = resnet_step(small_resnet(), replicas, threads)
     every_thread = functools.partial(backend.set_thread_intra_op_threads, threads)  # workers keep their setting: set it
-    with mock.patch.object(modules.parallel, "set_thread_intra_op_threads", lambda share: every_thread()):
+    with mock.patch.object(functions.replica_threads, "set_thread_intra_op_threads", lambda share: every_thread()):
         timer.timeit(3)
         return timer.blocked_autorange(min_run_time=min_run_time).median
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import modules.parallel as parallel
+import functions.replica_threads as replica_threads
 from functions import backend, checks, devices
 from functions import reference as ref
 from modules import nn as NN
@@ -236,14 +236,14 @@ def test_default_cuda_kernels_make_no_host_reads() -> None:
 def in_every_thread(monkeypatch: pytest.MonkeyPatch, mode) -> Iterator[None]:
     """``mode`` (a torch function or dispatch mode) active on this thread and in every replica
     thread of ThreadedDataParallel."""
-    entered = parallel._ThreadState.on
+    entered = replica_threads.ThreadState.on
 
     @contextmanager
     def on(state, device):
         with entered(state, device), mode:
             yield
 
-    monkeypatch.setattr(parallel._ThreadState, "on", on)
+    monkeypatch.setattr(replica_threads.ThreadState, "on", on)
     with mode:
         yield
 
