@@ -30,7 +30,8 @@ from torch.autograd.function import Function
 
 from . import checks, devices, reference
 from .ops import OVERLOADS
-from .reference import ABN_ACTIVATIONS, accumulation_dtype, in_dtype, memory_format_of, values_per_channel
+from .reference import accumulation_dtype, in_dtype, memory_format_of, values_per_channel
+from .reference_abn import ABN_ACTIVATIONS
 from .stats import LocalStats, Running, check_values_per_channel, merge, update_running_stats
 from .sync_batchnorm import global_sums, normalization_every_replica
 from .synchronization import Synchronizer

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from . import reference
+from . import reference, reference_abn
 from .reference import STATS_DTYPE, accumulation_dtype, memory_format_of
 
 NAMESPACE = "syncbn"
@@ -91,7 +91,7 @@ SCHEMAS = {
 LIBRARY = torch.library.Library(NAMESPACE, "DEF")
 for _name, _schema in SCHEMAS.items():
     LIBRARY.define(_name + _schema)
-    LIBRARY.impl(_name, getattr(reference, _name), "CompositeExplicitAutograd")
+    LIBRARY.impl(_name, getattr(reference_abn if _name.startswith("abn_") else reference, _name), "CompositeExplicitAutograd")
 
 OVERLOADS = SimpleNamespace(**{name: getattr(getattr(torch.ops, NAMESPACE), name).default for name in SCHEMAS})
 """``torch.ops.syncbn.<name>.default`` for every operator: what the layers call. The same

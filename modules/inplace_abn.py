@@ -14,7 +14,8 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from ..functions.inplace_abn import inplace_abn
-from ..functions.reference import ABN_ACTIVATIONS, memory_format_of
+from ..functions.reference import memory_format_of
+from ..functions.reference_abn import ABN_ACTIVATIONS
 from ..functions.traced_ranks import traced_inplace_abn
 from ..functions.synchronization import Synchronizer
 

@@ -13,6 +13,7 @@ import torch
 
 from functions import backend
 from functions import reference as ref
+from functions import reference_abn as ref_abn
 from functions.reference import memory_format_of
 
 OPS = torch.ops.syncbn
@@ -98,7 +99,7 @@ def backward_inputs(shape, fmt, dtype, activation, param, weight, bias):
     """(y, dy): y an output of the activation (elu: some values exactly -alpha, its flat end,
     where z is -inf); dy in another layout than y's where y has one."""
     pre = make(shape, torch.contiguous_format, torch.float64, seed=11, scale=2.0)
-    y = ref.abn_activation(pre, activation, param)
+    y = ref_abn.abn_activation(pre, activation, param)
     if activation == "elu" and y.numel():
         y.view(-1)[::7] = -param
     y = laid_out(y.to(dtype), fmt)
@@ -115,7 +116,7 @@ def test_forward(shape, fmt, activation, param, dtype) -> None:
     for weight, bias in affines(C, dtype):
         x = make(shape, fmt, dtype, seed=1, scale=2.0)
         expected = x.clone()
-        ref.abn_forward_(expected, mean, invstd, weight, bias, EPS, activation, param)
+        ref_abn.abn_forward_(expected, mean, invstd, weight, bias, EPS, activation, param)
         ptr, version, stride = x.data_ptr(), x._version, x.stride()
         assert OPS.abn_forward_(x, mean, invstd, weight, bias, EPS, activation, param) is None
         assert x.data_ptr() == ptr and x.stride() == stride, "abn_forward_ must write over x"
@@ -135,9 +136,9 @@ def test_backward(shape, fmt, activation, param, dtype) -> None:
         args, count = (weight, bias, EPS, activation, param), ref.values_per_channel(y)
 
         sums = OPS.abn_backward_reduce(y, dy, *args)
-        expected = ref.abn_backward_reduce(y, dy, *args)
+        expected = ref_abn.abn_backward_reduce(y, dy, *args)
         # sums to within tol of the sum of the terms' magnitudes
-        x_hat, dz, _ = ref._abn_recovered(y, dy, *args)
+        x_hat, dz, _ = ref_abn._abn_recovered(y, dy, *args)
         dims = ref.reduction_dims(y)
         for got, want, terms in zip(sums, expected, [dz, x_hat * dz]):
             assert got.dtype == acc and got.shape == (C,) and got.device == y.device
@@ -148,7 +149,7 @@ def test_backward(shape, fmt, activation, param, dtype) -> None:
         for with_sums in (True, False):
             sum_args = (*expected, count) if with_sums else (None, None, count)
             dx = OPS.abn_backward_elemt(y, dy, invstd, *args, *sum_args)
-            want = ref.abn_backward_elemt(y, dy, invstd, *args, *sum_args)
+            want = ref_abn.abn_backward_elemt(y, dy, invstd, *args, *sum_args)
             assert dx.dtype == dtype and dx.shape == y.shape
             assert dx.stride() == y.contiguous(memory_format=memory_format_of(y)).stride() or dx.numel() == 0
             assert torch.isfinite(dx).all()
@@ -239,7 +240,7 @@ def test_opcheck(shape, fmt, dtype) -> None:
     for activation, param in [("leaky_relu", 0.01), ("elu", 1.0), ("identity", 0.0)]:
         x = make(shape, fmt, dtype, seed=1)
         y, dy = backward_inputs(shape, fmt, dtype, activation, param, weight, bias)
-        sums = ref.abn_backward_reduce(y, dy, weight, bias, EPS, activation, param)
+        sums = ref_abn.abn_backward_reduce(y, dy, weight, bias, EPS, activation, param)
         calls = [
             ("abn_forward_", (x, mean, invstd, weight, bias, EPS, activation, param)),
             ("abn_forward_", (x, mean, invstd, None, None, EPS, activation, param)),

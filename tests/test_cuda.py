@@ -21,6 +21,7 @@ from torch import nn
 
 from functions import backend, devices, sync_batch_norm
 from functions import reference as ref
+from functions import reference_abn as ref_abn
 from modules import nn as NN
 import test_kernels as kernel_tests  # its tolerances and inputs (tests/ is on the path: pytest.ini)
 from testkit.paths import through_the_function
@@ -463,7 +464,7 @@ def abn_output(shape, memory_format, dtype, activation, param, affine=True, flat
     x = make_input(shape, memory_format, dtype)
     mean, invstd, weight, bias = abn_channel_args(x, affine)
     y = x.clone()
-    ref.abn_forward_(y, mean, invstd, weight, bias, ABN_EPS, activation, param)
+    ref_abn.abn_forward_(y, mean, invstd, weight, bias, ABN_EPS, activation, param)
     if flat_end:
         generator = torch.Generator().manual_seed(3)
         mask = (torch.rand(shape, generator=generator) < 0.2).to(DEVICE)
@@ -481,7 +482,7 @@ def test_abn_forward_matches_reference_in_place(shape, memory_format, dtype, act
     x = make_input(shape, memory_format, dtype)
     mean, invstd, weight, bias = abn_channel_args(x, affine)
     expected = x.clone()
-    ref.abn_forward_(expected, mean, invstd, weight, bias, ABN_EPS, activation, param)
+    ref_abn.abn_forward_(expected, mean, invstd, weight, bias, ABN_EPS, activation, param)
     ptr, strides, version = x.data_ptr(), x.stride(), x._version
     assert OPS.abn_forward_(x, mean, invstd, weight, bias, ABN_EPS, activation, param) is None
     assert x.data_ptr() == ptr and x.stride() == strides
@@ -497,7 +498,7 @@ def test_abn_forward_of_strides_of_neither_layout_writes_x(dtype) -> None:
     assert not x.is_contiguous() and not x.is_contiguous(memory_format=torch.channels_last)
     mean, invstd, weight, bias = abn_channel_args(x)
     expected = x.clone()
-    ref.abn_forward_(expected, mean, invstd, weight, bias, ABN_EPS, "leaky_relu", 0.01)
+    ref_abn.abn_forward_(expected, mean, invstd, weight, bias, ABN_EPS, "leaky_relu", 0.01)
     ptr, strides, version = x.data_ptr(), x.stride(), x._version
     OPS.abn_forward_(x, mean, invstd, weight, bias, ABN_EPS, "leaky_relu", 0.01)
     assert x.data_ptr() == ptr and x.stride() == strides and x._version > version
@@ -514,13 +515,13 @@ def test_abn_backward_matches_reference(shape, memory_format, dtype, activation,
     count = ref.values_per_channel(y)
     acc = ref.accumulation_dtype(dtype)
     sums = OPS.abn_backward_reduce(y, dy, weight, bias, ABN_EPS, activation, param)
-    sums_ref = ref.abn_backward_reduce(y, dy, weight, bias, ABN_EPS, activation, param)
+    sums_ref = ref_abn.abn_backward_reduce(y, dy, weight, bias, ABN_EPS, activation, param)
     assert [(s.dtype, s.shape, s.device) for s in sums] == [(acc, (y.size(1),), y.device)] * 2
     torch.testing.assert_close(tuple(sums), tuple(sums_ref), **kernel_tests.sum_tolerance(dtype, count))
     # with the batch's sums (the reference's, so that only the elementwise pass is compared) and without
     for given in (tuple(sums_ref), (None, None)):
         dx = OPS.abn_backward_elemt(y, dy, invstd, weight, bias, ABN_EPS, activation, param, *given, count)
-        dx_ref = ref.abn_backward_elemt(y, dy, invstd, weight, bias, ABN_EPS, activation, param, *given, count)
+        dx_ref = ref_abn.abn_backward_elemt(y, dy, invstd, weight, bias, ABN_EPS, activation, param, *given, count)
         assert dx.dtype == dtype and dx.shape == y.shape
         assert dx.stride() == kernel_tests.expected_stride(y)
         torch.testing.assert_close(dx, dx_ref, **kernel_tests.tolerance(dtype))
@@ -535,11 +536,11 @@ def test_abn_backward_at_elus_flat_end_is_finite(memory_format, dtype) -> None:
         y, dy, _, invstd, weight, bias = abn_output((4, 8, 6, 6), memory_format, dtype, "elu", alpha, flat_end=True)
         sums = OPS.abn_backward_reduce(y, dy, weight, bias, ABN_EPS, "elu", alpha)
         assert all(bool(torch.isfinite(s).all()) for s in sums)
-        sums_ref = ref.abn_backward_reduce(y, dy, weight, bias, ABN_EPS, "elu", alpha)
+        sums_ref = ref_abn.abn_backward_reduce(y, dy, weight, bias, ABN_EPS, "elu", alpha)
         torch.testing.assert_close(tuple(sums), tuple(sums_ref), **kernel_tests.sum_tolerance(dtype, y.numel() // 8))
         dx = OPS.abn_backward_elemt(y, dy, invstd, weight, bias, ABN_EPS, "elu", alpha, *sums_ref, y.numel() // 8)
         assert bool(torch.isfinite(dx).all())
-        dx_ref = ref.abn_backward_elemt(y, dy, invstd, weight, bias, ABN_EPS, "elu", alpha, *sums_ref, y.numel() // 8)
+        dx_ref = ref_abn.abn_backward_elemt(y, dy, invstd, weight, bias, ABN_EPS, "elu", alpha, *sums_ref, y.numel() // 8)
         torch.testing.assert_close(dx, dx_ref, **kernel_tests.tolerance(dtype))
 
 
@@ -552,7 +553,7 @@ def test_abn_backward_reduce_of_a_large_batch_is_deterministic(memory_format, dt
     y, dy, _, _, weight, bias = abn_output((32, 8, 24, 24), memory_format, dtype, "leaky_relu", 0.01)
     sums = OPS.abn_backward_reduce(y, dy, weight, bias, ABN_EPS, "leaky_relu", 0.01)
     again = OPS.abn_backward_reduce(y, dy, weight, bias, ABN_EPS, "leaky_relu", 0.01)
-    sums_ref = ref.abn_backward_reduce(y, dy, weight, bias, ABN_EPS, "leaky_relu", 0.01)
+    sums_ref = ref_abn.abn_backward_reduce(y, dy, weight, bias, ABN_EPS, "leaky_relu", 0.01)
     torch.testing.assert_close(tuple(sums), tuple(sums_ref), **kernel_tests.sum_tolerance(dtype, y.numel() // 8))
     assert all(torch.equal(a, b) for a, b in zip(sums, again))
 
@@ -576,7 +577,7 @@ def test_abn_ops_refuse_an_unknown_activation() -> None:
 def test_abn_opcheck(shape, memory_format, dtype) -> None:
     y, dy, mean, invstd, weight, bias = abn_output(shape, memory_format, dtype, "leaky_relu", 0.01)
     count = max(1, ref.values_per_channel(y))
-    sums = ref.abn_backward_reduce(y, dy, weight, bias, ABN_EPS, "leaky_relu", 0.01)
+    sums = ref_abn.abn_backward_reduce(y, dy, weight, bias, ABN_EPS, "leaky_relu", 0.01)
     calls = [
         ("abn_forward_", (y.clone(), mean, invstd, weight, bias, ABN_EPS, "leaky_relu", 0.01)),
         ("abn_forward_", (y.clone(), mean, invstd, None, None, ABN_EPS, "elu", 1.0)),
