@@ -70,10 +70,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from functions import backend_info
+from syncbn.functions import backend_info
 from testkit.local_group import run_local_group
-from modules import nn as NN
-from modules.parallel import ThreadedDataParallel
+from syncbn import nn as NN
+from syncbn.modules.parallel import ThreadedDataParallel
 from testkit.lockstep import train_side_by_side
 
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}

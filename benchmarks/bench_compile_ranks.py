@@ -40,7 +40,7 @@ def rank_times(rank: int, world: int, steps: int, rounds: int) -> dict[str, floa
     """Seconds per step of each contender on this rank (medians over the rounds)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from modules import nn as NN
+    from syncbn import nn as NN
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -40,9 +40,9 @@ from torch.nn import functional as F
 from torch.utils import benchmark
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from functions import backend_info  # noqa: E402
-from modules import nn as NN  # noqa: E402
-from modules.parallel import ThreadedDataParallel  # noqa: E402
+from syncbn.functions import backend_info  # noqa: E402
+from syncbn import nn as NN  # noqa: E402
+from syncbn.modules.parallel import ThreadedDataParallel  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 BEGIN, END = "<!-- bench_cpu:begin -->", "<!-- bench_cpu:end -->"

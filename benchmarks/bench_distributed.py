@@ -25,10 +25,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils import benchmark
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from functions import sync_batch_norm  # noqa: E402
+from syncbn.functions import sync_batch_norm  # noqa: E402
 from testkit.collectives import count_collectives  # noqa: E402
 from testkit.local_group import run_local_group  # noqa: E402
-from modules import nn as NN  # noqa: E402
+from syncbn import nn as NN  # noqa: E402
 
 SHAPES = [(8, 64, 28, 28), (4, 256, 14, 14), (32, 32, 8, 8)]  # per rank, float32
 

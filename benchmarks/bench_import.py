@@ -2,8 +2,8 @@
 modules, in fresh processes (an import happens once a process, so ``torch.utils.benchmark``'s
 repeated timing in one process cannot measure it).
 
-Each run starts a new interpreter that times ``import torch, torch.nn``, then ``from modules import
-nn; import modules.parallel, functions`` (``perf_counter`` around each), and counts the modules
+Each run starts a new interpreter that times ``import torch, torch.nn``, then ``from syncbn import
+nn; import syncbn.modules.parallel, syncbn.functions`` (``perf_counter`` around each), and counts the modules
 the second import added and those of torch's compiler stack among them. Medians of ``--runs``.
 ``--root`` measures another checkout of the repository (say, an older commit in a git worktree).
 
@@ -33,8 +33,8 @@ start = time.perf_counter()
 import torch, torch.nn
 torch_done = time.perf_counter()
 before = set(sys.modules)
-from modules import nn as NN
-import modules.parallel, functions
+from syncbn import nn as NN
+import syncbn.modules.parallel, syncbn.functions
 ours_done = time.perf_counter()
 added = set(sys.modules) - before
 stack = [m for m in added if any(m == p or m.startswith(p + ".") for p in STACK)]

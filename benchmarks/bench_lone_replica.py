@@ -37,9 +37,9 @@ from bench_cpu import (  # noqa: E402
     machine_line,
     write_results,
 )
-from functions import backend_name, lone_replica  # noqa: E402
-from functions.lone_replica import LoneCase  # noqa: E402
-from modules import nn as NN  # noqa: E402
+from syncbn.functions import backend_name, lone_replica  # noqa: E402
+from syncbn.functions.lone_replica import LoneCase  # noqa: E402
+from syncbn import nn as NN  # noqa: E402
 
 LADDERS = {
     "contiguous": [(2, 64, 4, 4), (2, 64, 16, 16), (8, 64, 28, 28), (8, 256, 28, 28), (64, 512, 7, 7), (32, 64, 56, 56)],

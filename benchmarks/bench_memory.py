@@ -41,8 +41,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from bench_cpu import cpu_model, publish  # noqa: E402  (benchmarks/ is on the path as a script)
-from functions import backend_info  # noqa: E402
-from modules import nn as NN  # noqa: E402
+from syncbn.functions import backend_info  # noqa: E402
+from syncbn import nn as NN  # noqa: E402
 
 CONTENDERS = ("torch", "ours-fused", "ours-inplace")
 LAYOUTS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}

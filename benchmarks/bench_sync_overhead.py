@@ -66,13 +66,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from bench_cpu import cpu_model, interleaved_medians, keyed_markers, least_stolen, publish, stolen_text  # noqa: E402
 from bench_toolchain import FIXED_COST_SHAPE, fixed_cost_steps  # noqa: E402
-from functions import backend, checks, distributed  # noqa: E402
-from functions.replicas import ReplicaRound  # noqa: E402
+from syncbn.functions import backend, checks, distributed  # noqa: E402
+from syncbn.functions.replicas import ReplicaRound  # noqa: E402
 from helpers import BasicBlock  # noqa: E402
-import modules.batchnorm  # noqa: E402
-import functions.replica_threads  # noqa: E402
-from modules import nn as NN  # noqa: E402
-from modules.parallel import ThreadedDataParallel  # noqa: E402
+import syncbn.modules.batchnorm  # noqa: E402
+import syncbn.functions.replica_threads  # noqa: E402
+from syncbn import nn as NN  # noqa: E402
+from syncbn.modules.parallel import ThreadedDataParallel  # noqa: E402
 from testkit.local_group import run_local_group  # noqa: E402
 
 SHAPE = (8, 8, 4, 4)
@@ -111,7 +111,7 @@ def threads_row(replicas: int, min_run_time: float, rounds: int, native: bool) -
         for kind, layer in (("ours", NN.SyncBatchNorm2d), ("torch", nn.BatchNorm2d))
         for depth in (1, DEEP)
     }
-    with mock.patch.object(modules.batchnorm, "native_serves", modules.batchnorm.native_serves if native else lambda: False):
+    with mock.patch.object(syncbn.modules.batchnorm, "native_serves", syncbn.modules.batchnorm.native_serves if native else lambda: False):
         t = interleaved(timers, min_run_time, rounds)
     return per_layer(t["ours", DEEP], t["ours", 1]), per_layer(t["torch", DEEP], t["torch", 1])
 
@@ -189,7 +189,7 @@ def resnet_without_thread_shares(replicas: int, min_run_time: float, threads: in
     torch.manual_seed(0)
     timer = resnet_step(small_resnet(), replicas, threads)
     every_thread = functools.partial(backend.set_thread_intra_op_threads, threads)  # workers keep their setting: set it
-    with mock.patch.object(functions.replica_threads, "set_thread_intra_op_threads", lambda share: every_thread()):
+    with mock.patch.object(syncbn.functions.replica_threads, "set_thread_intra_op_threads", lambda share: every_thread()):
         timer.timeit(3)
         return timer.blocked_autorange(min_run_time=min_run_time).median
 
@@ -314,7 +314,7 @@ def free_collectives_row(min_run_time: float, rounds: int) -> dict[str, float]:
         mock.patch.object(distributed.dist, "get_world_size", lambda group=None: 2),
         mock.patch.object(distributed, "_all_gather_rows", lambda row, group: torch.stack([row, row])),
         mock.patch.object(distributed.dist, "all_reduce", lambda t, group=None: t.mul_(2)),
-        mock.patch.object(modules.batchnorm, "active_process_group", lambda process_group, label: group),
+        mock.patch.object(syncbn.modules.batchnorm, "active_process_group", lambda process_group, label: group),
     ]
     for patch in patches:
         patch.start()

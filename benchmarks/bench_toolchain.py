@@ -28,9 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from bench_cpu import copy_bandwidth_gbs, fused_step, interleaved_medians, machine_line, publish  # noqa: E402
 from bench_lone_replica import routed  # noqa: E402
-from functions import lone_replica  # noqa: E402
+from syncbn.functions import lone_replica  # noqa: E402
 from helpers import SmallResNet  # noqa: E402
-from modules import nn as NN  # noqa: E402
+from syncbn import nn as NN  # noqa: E402
 
 BEGIN, END = "<!-- bench_toolchain:begin -->", "<!-- bench_toolchain:end -->"
 FIXED_COST_SHAPE = (2, 64, 4, 4)

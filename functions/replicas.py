@@ -43,13 +43,11 @@ MAX_TIMEOUT = 1e9
 """Seconds: about 31 years, as good as no timeout; beyond, the waits' deadlines overflow."""
 SPIN_ENV = "SYNCBN_SPIN_US"
 DEFAULT_SPIN_US = 300.0
-"""How long a replica waiting at a native meeting polls (yielding its core) before it sleeps,
-where a core is spare (src/replica_round.h, ``spare_core``: the long pollers and the replicas
-still working fit in :func:`usable_cores`; else it polls 50 us at most, ``kSharedSpin``). Waking
-a sleeping thread costs 100 us or more on a VM whose vCPU went idle (the other replicas wait through it, and the late one arrives
-that much later at the next meeting): on the 2-vCPU EPYC, 2 thread replicas took the small
-ResNet's step in 1.05-1.10x the unsynced one against 1.12-1.14x at 50 us, and their stacked
-layers +114-122 us a layer against +160-183 (benchmarks/RESULTS.md, stop 41)."""
+"""How long a replica waiting at a meeting polls (yielding its core) before it sleeps, where a
+core is spare (src/replica_round.h, ``spare_core``: the long pollers and the replicas still
+working fit in :func:`usable_cores`; else it polls 50 us at most, ``kSharedSpin``): waking a
+sleeping thread costs 100 us or more on a VM whose vCPU went idle, which every other replica
+waits through (benchmarks/bench_sync_overhead.py measures the choice)."""
 MAX_SPIN_US = 1e6
 """Microseconds: a second of polling is no longer a spin before sleeping."""
 REPLICA_ATTR = "_sync_replica"

@@ -1,9 +1,6 @@
-"""User API: ``modules.nn`` (the layers and converters) and ``modules.parallel``."""
-if __name__ == "modules":  # the repository's own name for syncbn.modules: the same package (syncbn/_legacy_names.py)
-    from syncbn._legacy_names import alias_top_level
+"""The user API: ``syncbn.modules.nn`` (the layers and converters) and ``syncbn.modules.parallel``."""
+if __name__ == "modules":  # the repository's directory imported by its own name: a second copy
+    raise ImportError("the repository's modules/ is syncbn.modules: import syncbn (from syncbn import nn)")
+from . import nn, parallel
 
-    alias_top_level(__name__)
-else:
-    from . import nn, parallel
-
-    __all__ = ["nn", "parallel"]
+__all__ = ["nn", "parallel"]

@@ -1,7 +1,7 @@
 """User API: synchronized batch norm layers, drop-in for ``nn.BatchNorm1d/2d/3d``, and the
 functions that convert, freeze and fuse a model's batch norms.
 
-``from modules import nn as NN``; ``NN.BatchNorm2d(64)`` is ``NN.SyncBatchNorm2d(64)``.
+``from syncbn import nn as NN``; ``NN.BatchNorm2d(64)`` is ``NN.SyncBatchNorm2d(64)``.
 
 A facade: the layers are in :mod:`modules.batchnorm`, the activated ones (``inplace_abn``'s) in :mod:`modules.inplace_abn`, the converters in
 :mod:`modules.conversion`, the fusion pass in :mod:`modules.fusion`; none of them imports this

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-import modules.batchnorm as batchnorm
+import syncbn.modules.batchnorm as batchnorm
 
 
 def through_the_function(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,7 +4,7 @@ pick on this machine, so that every layer test exercises them. ``tests/test_lone
 tests the measured routing itself (and torch's route) under ``lone_replica.forced``."""
 import pytest
 
-from functions import lone_replica
+from syncbn.functions import lone_replica
 
 
 @pytest.fixture(autouse=True)

@@ -12,10 +12,10 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-import modules.batchnorm
-from functions.replicas import ReplicaRound
-from modules import nn as NN
-from modules.parallel import ThreadedDataParallel
+import syncbn.modules.batchnorm
+from syncbn.functions.replicas import ReplicaRound
+from syncbn import nn as NN
+from syncbn.modules.parallel import ThreadedDataParallel
 from testkit.lockstep import assert_agree, state_quantities, train_side_by_side
 
 
@@ -184,7 +184,7 @@ def count_exchanges(monkeypatch) -> list[tuple[str, int]]:
     Python round's exchanges, and the native path's calls (its forward, and its backward node's
     runs, seen through a pre-hook on the node)."""
     calls: list[tuple[str, int]] = []
-    python_exchange, native_call = ReplicaRound.exchange, modules.batchnorm.native_sync_batch_norm
+    python_exchange, native_call = ReplicaRound.exchange, syncbn.modules.batchnorm.native_sync_batch_norm
 
     def python_counting(self, key, *args, **kwargs):
         calls.append(key)
@@ -199,5 +199,5 @@ def count_exchanges(monkeypatch) -> list[tuple[str, int]]:
         return y
 
     monkeypatch.setattr(ReplicaRound, "exchange", python_counting)
-    monkeypatch.setattr(modules.batchnorm, "native_sync_batch_norm", native_counting)
+    monkeypatch.setattr(syncbn.modules.batchnorm, "native_sync_batch_norm", native_counting)
     return calls

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from functions import backend
-from functions import reference as ref
-from functions import reference_abn as ref_abn
-from functions.reference import memory_format_of
+from syncbn.functions import backend
+from syncbn.functions import reference as ref
+from syncbn.functions import reference_abn as ref_abn
+from syncbn.functions.reference import memory_format_of
 
 OPS = torch.ops.syncbn
 pytestmark = pytest.mark.skipif(

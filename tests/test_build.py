@@ -222,13 +222,13 @@ def test_backend_info_names_the_cuda_backend_that_the_environment_asks_for(env: 
     # a fresh interpreter per environment: the backend is chosen once, at import
     import json
 
-    code = "import json; from functions import backend_info; print(json.dumps(backend_info()))"
+    code = "import json; from syncbn import backend_info; print(json.dumps(backend_info()))"
     base = {k: v for k, v in os.environ.items() if not k.startswith("SYNCBN_")}
     done = subprocess.run([sys.executable, "-c", code], env={**base, **env}, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     info = json.loads(done.stdout.strip().splitlines()[-1])
     if cuda == "compiled-cuda if built":
-        built = importlib.util.find_spec("functions._C_cuda") is not None
+        built = importlib.util.find_spec("syncbn.functions._C_cuda") is not None
         cuda = "compiled-cuda" if built and "cuda_reason" not in info else "torch-cuda-ops"
         assert built or "cuda_reason" in info, info  # asked for and missing: it says why
     assert info["cuda"] == cuda, info

@@ -19,10 +19,10 @@ import pytest
 import torch
 from torch import nn
 
-from functions import backend, devices, sync_batch_norm
-from functions import reference as ref
-from functions import reference_abn as ref_abn
-from modules import nn as NN
+from syncbn.functions import backend, devices, sync_batch_norm
+from syncbn.functions import reference as ref
+from syncbn.functions import reference_abn as ref_abn
+from syncbn import nn as NN
 import test_kernels as kernel_tests  # its tolerances and inputs (tests/ is on the path: pytest.ini)
 from testkit.paths import through_the_function
 
@@ -173,7 +173,7 @@ def test_module_matches_cudnn_alone(cuda_backend, dtype, memory_format) -> None:
 def test_threaded_replicas_on_one_gpu_match_cudnn_forward(cuda_backend, replicas, dtype, memory_format) -> None:
     """ThreadedDataParallel over ['cuda:0'] * R: the replicas' forward exchange (statistics over
     the whole batch, running statistics updated once) against cuDNN on the full batch."""
-    from modules.parallel import ThreadedDataParallel
+    from syncbn.modules.parallel import ThreadedDataParallel
 
     ref_bn, ours = make_pair(dtype, memory_format)
     runner = ThreadedDataParallel(ours, ["cuda:0"] * replicas)
@@ -194,7 +194,7 @@ def test_threaded_replicas_on_one_gpu_backward(cuda_backend, replicas, dtype, mo
     replica runs its backward on its own thread (not on the engine's thread of the GPU, which
     runs the gather's backward and waits for them), so the replicas meet in backward. A short
     timeout turns a regression into an error instead of a hang."""
-    from modules.parallel import ThreadedDataParallel
+    from syncbn.modules.parallel import ThreadedDataParallel
 
     monkeypatch.setenv("SYNCBN_TIMEOUT", "10")
     ref_bn, ours = make_pair(dtype, torch.contiguous_format)
@@ -229,7 +229,7 @@ def resnet_block(channels: int = 6) -> nn.Module:
 def test_threaded_step_matches_the_full_batch(devices_, monkeypatch, exchange_path) -> None:
     """A replica exchange on one GPU, and across a GPU and the CPU (the events, record_stream
     and copies of functions.devices), against torch's layers on the full batch, float32."""
-    from modules.parallel import ThreadedDataParallel
+    from syncbn.modules.parallel import ThreadedDataParallel
 
     monkeypatch.setenv("SYNCBN_TIMEOUT", "10")
     torch.manual_seed(0)
@@ -254,7 +254,7 @@ def test_a_synchronized_step_never_synchronizes_the_host(exchange_path) -> None:
     """torch's sync debug mode raises on any host synchronization (a device value read on the
     host, a pageable copy, a stream synchronize) during a threaded step on one GPU, forward and
     backward, running statistics with momentum None included."""
-    from modules.parallel import ThreadedDataParallel
+    from syncbn.modules.parallel import ThreadedDataParallel
 
     runner = ThreadedDataParallel(resnet_block(), ["cuda:0"] * 2)
     x = torch.randn(6, 3, 8, 8, device=DEVICE, requires_grad=True)
@@ -300,7 +300,7 @@ def test_replicas_read_the_masters_results_only_after_they_are_computed() -> Non
     on a side stream. With the event recorded before ``(var + eps).rsqrt()`` was queued, the copy
     of 2**25 channels starts while that kernel still writes them, and replica 1 normalizes with
     stale memory. float64, so that the only work after the event is that kernel."""
-    from modules.parallel import ThreadedDataParallel
+    from syncbn.modules.parallel import ThreadedDataParallel
 
     channels = 2**25
     ours = NN.SyncBatchNorm1d(channels, affine=False, timeout=60).double().to(DEVICE)
@@ -331,7 +331,7 @@ def test_capturing_a_synchronized_step_raises_a_clear_error() -> None:
         with torch.cuda.graph(graph, stream=stream):
             replicas[0](x)
     assert "SyncBatchNorm2d" in str(raised.value)
-    from functions import ReplicaSyncError
+    from syncbn.functions import ReplicaSyncError
 
     with pytest.raises(ReplicaSyncError, match="replica 0 failed: RuntimeError"):
         replicas[1](x)  # released at once, not after 30 s
@@ -403,7 +403,7 @@ def test_a_backward_failing_on_one_device_releases_the_other_devices_thread() ->
     before its layer: loss.backward() raises at once, and the CUDA thread, waiting for replica
     1's sums at the layer, must leave within a few seconds (not its 30 s timeout), so that the
     next backward on the GPU runs."""
-    from functions.replicas import replicas_in_order
+    from syncbn.functions.replicas import replicas_in_order
     from helpers import run_threads
 
     bn = NN.SyncBatchNorm1d(3, timeout=30).to(DEVICE)

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import functions.replica_threads as replica_threads
-from functions import backend, checks, devices
-from functions import reference as ref
-from modules import nn as NN
-from modules.parallel import ThreadedDataParallel
+import syncbn.functions.replica_threads as replica_threads
+from syncbn.functions import backend, checks, devices
+from syncbn.functions import reference as ref
+from syncbn import nn as NN
+from syncbn.modules.parallel import ThreadedDataParallel
 from testkit import torch_cuda_ops
 from testkit.host_reads import HostReads, allowed
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from functions import devices
+from syncbn.functions import devices
 
 
 def test_a_tensor_already_on_the_device_is_not_copied() -> None:

@@ -24,16 +24,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from functions import checks, devices
-from functions.sync_batchnorm import native_serves
-from functions.synchronization import Synchronizer
+from syncbn.functions import checks, devices
+from syncbn.functions.sync_batchnorm import native_serves
+from syncbn.functions.synchronization import Synchronizer
 from testkit.collectives import count_collectives
 from testkit.host_reads import HostReads, allowed
 from testkit.local_group import run_local_group
 from testkit.lockstep import assert_agree, train_side_by_side
 from helpers import randomize_affine
-from modules import nn as NN
-from modules.parallel import ThreadedDataParallel
+from syncbn import nn as NN
+from syncbn.modules.parallel import ThreadedDataParallel
 
 TOL = dict(atol=1e-9, rtol=1e-9)
 CL2, CL3 = torch.channels_last, torch.channels_last_3d
@@ -762,8 +762,8 @@ def test_process_group_without_torch_distributed_raises() -> None:
 def test_malformed_gathered_counts_are_explained_as_the_device_judged_them(count: float) -> None:
     """Where merge_gathered_stats finds the rows invalid, the explanation read on the host names
     why, for every reason the device has: here a count no honest rank sends."""
-    from functions import distributed
-    from functions.stats import LocalStats
+    from syncbn.functions import distributed
+    from syncbn.functions.stats import LocalStats
 
     call = distributed.ProcessGroupCall(object(), "SyncBatchNorm2d(2) 'bn'", layer_id=12345, number=0)
     local = LocalStats(4, torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64), torch.float32, torch.Size([1, 2, 2, 2]))

@@ -12,10 +12,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from functions import backend, frozen_batch_norm, serves_single_device
+from syncbn.functions import backend, frozen_batch_norm, serves_single_device
 from helpers import count_exchanges, randomize_affine
-from modules import nn as NN
-from modules.parallel import ThreadedDataParallel
+from syncbn import nn as NN
+from syncbn.modules.parallel import ThreadedDataParallel
 from testkit.lockstep import assert_agree, train_side_by_side
 from testkit.paths import through_the_function
 

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from functions import SyncBatchNormFunction, sync_batch_norm
-from functions import reference as ref
-from modules import nn as NN
-from modules.parallel import ThreadedDataParallel
+from syncbn.functions import SyncBatchNormFunction, sync_batch_norm
+from syncbn.functions import reference as ref
+from syncbn import nn as NN
+from syncbn.modules.parallel import ThreadedDataParallel
 
 
 def direct_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

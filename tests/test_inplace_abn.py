@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from helpers import run_threads, stock_replicas
-from modules import nn as NN
-from modules.parallel import ThreadedDataParallel
+from syncbn import nn as NN
+from syncbn.modules.parallel import ThreadedDataParallel
 
 TOL = dict(atol=1e-10, rtol=1e-10)
 ACTIVATIONS = [("leaky_relu", 0.01), ("leaky_relu", 0.3), ("elu", 1.0), ("elu", 0.5), ("identity", 0.01)]

@@ -17,10 +17,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from functions import backend, sync_batch_norm
-from functions.ops import affine_act_grads
-from functions import reference as ref
-from functions.reference import memory_format_of
+from syncbn.functions import backend, sync_batch_norm
+from syncbn.functions.ops import affine_act_grads
+from syncbn.functions import reference as ref
+from syncbn.functions.reference import memory_format_of
 
 COMPILED = backend.COMPILED
 OPS = torch.ops.syncbn  # dispatches to the kernels of the input's device

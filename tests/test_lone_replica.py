@@ -12,10 +12,10 @@ from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 from torch.nn import functional as F
 
-from functions import backend_name, lone_replica, serves_single_device
-from functions.lone_replica import CHOICES, LoneCase, layout_of, takes_our_kernels
+from syncbn.functions import backend_name, lone_replica, serves_single_device
+from syncbn.functions.lone_replica import CHOICES, LoneCase, layout_of, takes_our_kernels
 from helpers import SmallResNet, assert_same_state, randomize_affine
-from modules import nn as NN
+from syncbn import nn as NN
 from testkit.lockstep import assert_agree, train_side_by_side
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,7 +135,7 @@ def run_with_override(value: str, code: str) -> subprocess.CompletedProcess:
 
 def test_environment_override() -> None:
     code = (
-        "import torch; from modules import nn as NN\n"
+        "import torch; from syncbn import nn as NN\n"
         "x = torch.randn(64, 3, 8, 8, requires_grad=True)\n"
         "print(type(NN.BatchNorm2d(3)(x).grad_fn).__name__)"
     )

@@ -13,10 +13,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from functions import lone_replica, serves_single_device
+from syncbn.functions import lone_replica, serves_single_device
 from helpers import count_exchanges, randomize_affine
-from modules import nn as NN
-from modules.parallel import ThreadedDataParallel
+from syncbn import nn as NN
+from syncbn.modules.parallel import ThreadedDataParallel
 
 PAIRS = [(nn.BatchNorm1d, NN.SyncBatchNorm1d), (nn.BatchNorm2d, NN.SyncBatchNorm2d), (nn.BatchNorm3d, NN.SyncBatchNorm3d)]
 

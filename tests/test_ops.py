@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from functions import backend
-from functions import reference as ref
-from functions.ops import SCHEMAS
+from syncbn.functions import backend
+from syncbn.functions import reference as ref
+from syncbn.functions.ops import SCHEMAS
 from helpers import share_of_a_counting_thread
 
 OPS = torch.ops.syncbn

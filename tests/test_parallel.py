@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from modules import nn as NN
-from functions import ReplicaSyncError
-from modules.parallel import ThreadedDataParallel
+from syncbn import nn as NN
+from syncbn.functions import ReplicaSyncError
+from syncbn.modules.parallel import ThreadedDataParallel
 
 Pair = namedtuple("Pair", "first second")
 
@@ -384,7 +384,7 @@ class ThreadsSeen(nn.Module):
 def test_cpu_replicas_share_the_callers_intra_op_threads(replicas: int) -> None:
     # R replica threads, each starting a team of all the caller's threads, would put R x threads
     # on the cores; each takes its share instead, and the caller's own setting stays as it was
-    from functions import backend
+    from syncbn.functions import backend
 
     if backend.COMPILED is None:
         pytest.skip("the per-thread setting needs the compiled module")

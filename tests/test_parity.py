@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from functions import backend
+from syncbn.functions import backend
 from helpers import randomize_affine, train_in_lockstep
-from modules import nn as NN
-from modules.parallel import ThreadedDataParallel
+from syncbn import nn as NN
+from syncbn.modules.parallel import ThreadedDataParallel
 from testkit.paths import through_the_function
 
 CL2, CL3 = torch.channels_last, torch.channels_last_3d

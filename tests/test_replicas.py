@@ -13,12 +13,12 @@ import pytest
 import torch
 from torch import nn
 
-from functions import ReplicaSyncError, backend
-from functions import replicas
-from functions.replicas import ReplicaRound, resolve_timeout
+from syncbn.functions import ReplicaSyncError, backend
+from syncbn.functions import replicas
+from syncbn.functions.replicas import ReplicaRound, resolve_timeout
 from helpers import replayed_replicas, run_threads, share_of_a_counting_thread, stock_replicas
-from modules import nn as NN
-from modules.parallel import ThreadedDataParallel
+from syncbn import nn as NN
+from syncbn.modules.parallel import ThreadedDataParallel
 from testkit.paths import through_the_function
 
 
@@ -612,7 +612,7 @@ def test_torch_replicate_still_has_the_locals_that_round_detection_reads() -> No
     # next step's round), one that renamed `network` would leave a failed replica's mates waiting
     from torch.nn.parallel.replicate import replicate
 
-    from functions.replicas import torch_replicate_call
+    from syncbn.functions.replicas import torch_replicate_call
 
     assert {"j", "network"} <= set(replicate.__code__.co_varnames)
     calls: list = []
@@ -632,7 +632,7 @@ def test_replicas_in_order_open_a_round_at_index_0_while_the_last_rounds_replica
     # ThreadedDataParallel's replication says each replica's index (REPLICATING): replica 0 opens
     # a new round even where the last step's replicas are still alive (a traceback can keep them),
     # which the membership rule alone would let them join; the index is cleared afterwards
-    from functions.replicas import REPLICATING, replicas_in_order
+    from syncbn.functions.replicas import REPLICATING, replicas_in_order
 
     bn = NN.SyncBatchNorm2d(3)
     kept = replicas_in_order(bn, 2)  # alive, and their round never sealed

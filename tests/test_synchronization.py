@@ -8,13 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-import functions.synchronization as synchronization
-from functions import ReplicaSyncError
-from functions import reference as ref
-from functions import stats
-from functions.distributed import ProcessGroupSync
-from functions.replicas import ReplicaHandle, ReplicaRound
-from functions.synchronization import Synchronizer
+import syncbn.functions.synchronization as synchronization
+from syncbn.functions import ReplicaSyncError
+from syncbn.functions import reference as ref
+from syncbn.functions import stats
+from syncbn.functions.distributed import ProcessGroupSync
+from syncbn.functions.replicas import ReplicaHandle, ReplicaRound
+from syncbn.functions.synchronization import Synchronizer
 from helpers import run_threads
 
 CPU = torch.device("cpu")

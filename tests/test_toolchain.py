@@ -15,8 +15,8 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from helpers import SmallResNet, assert_same_state, randomize_affine, run_threads, stock_replicas
-from modules import nn as NN
-from modules.parallel import ThreadedDataParallel
+from syncbn import nn as NN
+from syncbn.modules.parallel import ThreadedDataParallel
 
 
 @contextmanager
@@ -130,7 +130,7 @@ def test_func_grad_and_per_sample_vmap_match_torch() -> None:
 
 
 def test_vmap_over_the_functional_forms() -> None:
-    from functions import frozen_batch_norm, sync_batch_norm
+    from syncbn.functions import frozen_batch_norm, sync_batch_norm
 
     x = torch.randn(5, 2, 3, 4, 4, dtype=torch.float64)
     weight, mean, var = torch.rand(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64), torch.rand(3, dtype=torch.float64) + 1

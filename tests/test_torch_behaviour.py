@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from functions import lone_replica
+from syncbn.functions import lone_replica
 from helpers import assert_same_state, randomize_affine
-from modules import nn as NN
+from syncbn import nn as NN
 
 
 @pytest.fixture(autouse=True, params=["ours", "torch"])

@@ -43,8 +43,8 @@ echo "$paragraph" | grep -q "First error: nvcc fatal   : simulated compiler fail
   || { echo "$paragraph"; echo "check_build: FAILED: the paragraph lacks the first error" >&2; exit 1; }
 ls functions/_C_*.so > /dev/null || { echo "check_build: FAILED: no CPU kernels in place" >&2; exit 1; }
 "$PYTHON" - <<'PY'
-import functions
-info = functions.backend_info()
+import syncbn
+info = syncbn.backend_info()
 assert info["cpu"].startswith("compiled-cpu"), info
 assert "failed to build" in info.get("cuda_reason", ""), info
 print("check_build: ok     a failed CUDA build keeps the CPU kernels:", info["cpu"])

@@ -61,7 +61,7 @@ else
     echo "$source_hash" > functions/build.hash
     (cd functions && tar -czf "$OUT/build.tar.gz" build.hash _C_*.so) && rm functions/build.hash
 fi
-$PY -c "from functions.backend import backend_info; print(backend_info())" | tee -a "$LOG"
+$PY -c "from syncbn import backend_info; print(backend_info())" | tee -a "$LOG"
 
 PYTEST="$PY -m pytest -q -rs -p no:cacheprovider"
 step races 60 $PYTEST --timeout 60 tests/test_cuda.py tests/test_cuda_route.py \
@@ -78,7 +78,7 @@ unset SYNCBN_CUDA_KERNELS
 step compile 35 $PY - <<'EOF'
 import copy, torch
 from torch import nn
-from modules import nn as NN
+from syncbn import nn as NN
 torch.manual_seed(0)
 ours = NN.convert_sync_batchnorm(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.BatchNorm2d(8, momentum=None))).cuda()
 eager = copy.deepcopy(ours)

@@ -21,8 +21,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import modules.batchnorm as batchnorm  # noqa: E402
-from modules import nn as NN  # noqa: E402
+import syncbn.modules.batchnorm as batchnorm  # noqa: E402
+from syncbn import nn as NN  # noqa: E402
 from testkit.local_group import free_port, run_local_group  # noqa: E402
 
 STEPS = 3
