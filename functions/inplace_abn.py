@@ -13,9 +13,9 @@ in one exchange with batch statistics; then (``abn_backward_elemt``)
     dx = dz * gamma * invstd                                              (fixed statistics),
 grad_weight = sign(weight) * local sum_xhat_dz (+1 where weight is 0), grad_bias = local sum_dz.
 
-The replicas and ranks meet through the :class:`~functions.synchronization.Synchronizer` as on
-the Python path of :mod:`functions.sync_batchnorm` (the master does every replica's work,
-:meth:`~functions.synchronization.Synchronizer.on_master`), with the same statistics
+The replicas and ranks meet through the :class:`~functions.synchronization.Synchronizer` as the
+autograd Function of :mod:`functions.sync_batchnorm` does (at the native round, one replica
+doing every replica's work: :meth:`~functions.synchronization.Synchronizer.on_master`), with the same statistics
 (:func:`~functions.sync_batchnorm.normalization_every_replica`) and sums
 (:func:`~functions.sync_batchnorm.global_sums`).
 """

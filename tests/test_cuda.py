@@ -386,6 +386,38 @@ def test_a_lone_training_step_captures_and_replays_exactly(momentum) -> None:
             torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
 
 
+class _RaiseOnBatch(nn.Module):
+    """Raises (an out-of-memory error, as a convolution would) in the replica whose chunk has
+    ``batch`` samples."""
+
+    def __init__(self, batch: int) -> None:
+        super().__init__()
+        self.batch = batch
+
+    def forward(self, x):
+        if x.size(0) == self.batch:
+            raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+        return x
+
+
+def test_a_replica_failing_before_a_layer_releases_the_others_on_the_gpu() -> None:
+    """Stock DataParallel's forward threading on one GPU, replicas made by torch's replicate():
+    replica 2 raises before the first layer; replicas 0 and 1, waiting there on cuda:0, raise
+    ReplicaSyncError naming it within a second, not after their 30 s timeout."""
+    from syncbn.functions import ReplicaSyncError
+    from helpers import run_threads, stock_replicas
+
+    model = nn.Sequential(_RaiseOnBatch(1), NN.SyncBatchNorm2d(4, timeout=30)).to(DEVICE)
+    replicas = stock_replicas(model, 3)
+    chunks = torch.randn(5, 4, 3, 3, device=DEVICE).split([2, 2, 1])
+    start = time.monotonic()
+    results = run_threads([lambda r=r, c=c: r(c) for r, c in zip(replicas, chunks)])
+    assert time.monotonic() - start < 1
+    assert isinstance(results[2], torch.OutOfMemoryError)
+    assert all(isinstance(e, ReplicaSyncError) and "replica 2 failed: OutOfMemoryError" in str(e) for e in results[:2])
+    assert int(model[1].num_batches_tracked) == 0
+
+
 class _RaiseInBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
