@@ -65,8 +65,8 @@ $PY -c "from syncbn import backend_info; print(backend_info())" | tee -a "$LOG"
 
 PYTEST="$PY -m pytest -q -rs -p no:cacheprovider"
 step races 60 $PYTEST --timeout 60 tests/test_cuda.py tests/test_cuda_route.py \
-    -k "not abn and not opcheck and not capture"
-step graphs 30 $PYTEST --timeout 25 tests/test_cuda.py -k "capture"
+    -k "not abn and not opcheck and not captur"
+step graphs 30 $PYTEST --timeout 25 tests/test_cuda.py -k "captur"
 step ranks 55 $PY tools/gpu_ranks.py
 export SYNCBN_CUDA_KERNELS=compiled
 step sanitize 50 compute-sanitizer --tool racecheck --error-exitcode 9 \
