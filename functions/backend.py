@@ -27,8 +27,7 @@ from types import ModuleType
 
 import torch
 
-from . import ops, reference
-from .reference import values_per_channel
+from . import ops  # noqa: F401  (the operators' schemas, before any kernel is registered for them)
 
 # Instruction sets the CPU kernels may be built for, weakest first (see setup.py).
 CPU_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")
