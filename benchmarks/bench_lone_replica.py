@@ -1,26 +1,26 @@
-"""Which kernels should serve a lone CPU replica: ours or torch's batch norm (see
-``functions/lone_replica.py``)? Measured here, for this machine's backend.
+"""Is the lone-replica rule (``functions/lone_replica.py``) right on this machine? Which kernels
+should serve a lone CPU replica: ours or torch's batch norm.
 
 For every case (batch or fixed statistics, fused residual + ReLU or not, dtype, layout) and a
 ladder of sizes, it times forward + backward (``torch.autograd.grad`` for the input, the residual
 where there is one, weight and bias) of:
   - ``torch``: ``nn.BatchNorm*`` (training, or eval for fixed statistics), with ``+ z`` and
     ``F.relu`` separately where fused;
-  - ``ours (our kernels)`` and ``ours (torch's kernel)``: our layer forced through each route.
-It decides, per case, from how many elements our kernels serve (the smallest size from which
-ours was faster than torch's route at that size and every larger one; None where it never was),
-prints the table for ``OURS_FROM_ELEMENTS`` in ``functions/lone_replica.py``, and writes this
-backend's section of RESULTS.md (one section per backend, so each machine's run stays).
+  - ``via ours`` and ``via torch``: our layer forced through each route;
+and prints, per row, the two routes against ``torch`` and the route the rule takes with its ratio.
+The rule is right where its ratio is never clearly above 1 and it takes ours where ours is
+clearly faster.
 
     python benchmarks/bench_lone_replica.py               # every case, ~10 minutes on 2 cores
-    python benchmarks/bench_lone_replica.py --dtypes float32 --no-write
+    python benchmarks/bench_lone_replica.py --dtypes float32 float64 --json lone.json
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -33,12 +33,9 @@ from bench_cpu import (  # noqa: E402
     fused_step,
     interleaved_medians,
     keep_freed_blocks,
-    keyed_markers,
     machine_line,
-    write_results,
 )
 from syncbn.functions import backend_name, lone_replica  # noqa: E402
-from syncbn.functions.lone_replica import LoneCase  # noqa: E402
 from syncbn import nn as NN  # noqa: E402
 
 LADDERS = {
@@ -46,6 +43,17 @@ LADDERS = {
     "no_spatial": [(32, 64), (256, 512), (256, 2048), (1024, 2048)],
 }
 LADDERS["channels_last"] = LADDERS["contiguous"]
+class LoneCase(NamedTuple):
+    """``stats`` ``'batch'`` (training) or ``'fixed'`` (frozen); ``fused`` whether a residual and
+    ReLU are fused; the input's dtype name; its layout: ``'contiguous'``, ``'channels_last'`` or
+    ``'no_spatial'`` ((N, C))."""
+
+    stats: str
+    fused: bool
+    dtype: str
+    layout: str
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -87,93 +95,52 @@ def time_case(case: LoneCase, shape: tuple[int, ...], min_run_time: float) -> di
     return interleaved_medians(fns, min_run_time)
 
 
-def ours_from(points: list[tuple[int, dict[str, float]]]) -> int | None:
-    """The smallest size from which our kernels beat torch's route at every measured size."""
-    for size in sorted({numel for numel, _ in points}):
-        if all(t["via ours"] < t["via torch"] for numel, t in points if numel >= size):
-            return size
-    return None
-
-
-def measure(dtypes: list[str], min_run_time: float) -> tuple[dict[LoneCase, int | None], list[str]]:
-    table, rows = {}, []
+def measure(dtypes: list[str], min_run_time: float) -> list[dict]:
+    """One record per case and size: the three times (ms) and which route the rule takes."""
+    records = []
     for stats in ("batch", "fixed"):
         for fused in (False, True):
             for dtype in dtypes:
                 for layout, ladder in LADDERS.items():
                     case = LoneCase(stats, fused, dtype, layout)
-                    points = [(torch.Size(s).numel(), time_case(case, s, min_run_time)) for s in ladder]
-                    table[case] = ours_from(points)
-                    for shape, (numel, t) in zip(ladder, points):
-                        chosen = t["via ours"] if table[case] is not None and numel >= table[case] else t["via torch"]
-                        rows.append(
-                            f"| {stats} | {'yes' if fused else 'no'} | {dtype} | {layout} | {shape} | {t['torch']:.3f} "
-                            f"| {t['via ours']:.3f} ({t['via ours'] / t['torch']:.2f}x) "
-                            f"| {t['via torch']:.3f} ({t['via torch'] / t['torch']:.2f}x) | {chosen / t['torch']:.2f}x |"
-                        )
-                        print(rows[-1], flush=True)
-    return table, rows
+                    for shape in ladder:
+                        t = time_case(case, shape, min_run_time)
+                        x = make_input(shape, layout, DTYPES[dtype])
+                        rule = "ours" if lone_replica.takes_our_kernels(x, fixed_stats=stats == "fixed") else "torch"
+                        records.append({**case._asdict(), "shape": list(shape), "torch_ms": t["torch"],
+                                        "via_ours_ms": t["via ours"], "via_torch_ms": t["via torch"], "rule": rule})
+                        print(row(records[-1]), flush=True)
+    return records
 
 
-def table_source(table: dict[LoneCase, int | None]) -> str:
-    """``table`` as this backend's entry of OURS_FROM_ELEMENTS, written as the file writes it."""
-    lines = [f'    "{backend_name(torch.device("cpu"))}": {{']
-    for stats in ("batch", "fixed"):
-        for fused in (False, True):
-            lines.append(f'        **_cases("{stats}", {fused}, {{')
-            lines += [
-                f'            ("{case.dtype}", "{case.layout}"): {n!r},'
-                for case, n in table.items()
-                if case.stats == stats and case.fused == fused
-            ]
-            lines.append("        }),")
-    return "\n".join(lines + ["    },"])
-
-
-def section(backend: str, table_code: str, rows: list[str], bandwidth: float, min_run_time: float, allocator: str) -> str:
-    begin, end = keyed_markers("bench_lone_replica", backend)
-    return "\n".join([
-        begin,
-        f"## CPU: which kernels serve a lone replica, `{backend}` (`bench_lone_replica.py`)",
-        "",
-        machine_line(bandwidth, min_run_time, allocator),
-        "",
-        "Forward + backward (gradients for the input, z where fused, weight and bias). `torch`: "
-        "`nn.BatchNorm*` (eval for fixed statistics; `+ z` and `F.relu` apart where fused); "
-        "`ours via ours` / `ours via torch`: our layer through our kernels / through torch's batch "
-        "norm; `chosen`: what the table below picks, against `torch`. Each time is the median over 5 "
-        "rounds that take the three in turn (bursts of steal time hit one round of each).",
-        "",
-        "| stats | fused | dtype | layout | shape | torch ms | ours via ours | ours via torch | chosen |",
-        "|---|---|---|---|---|---|---|---|---|",
-        *rows,
-        "",
-        "The table this run gives (`OURS_FROM_ELEMENTS` in `functions/lone_replica.py`):",
-        "",
-        "```python",
-        table_code,
-        "```",
-        end,
-    ])
+def row(r: dict) -> str:
+    """A record as a markdown row: times in ms, ratios against ``torch``."""
+    chosen = r["via_ours_ms"] if r["rule"] == "ours" else r["via_torch_ms"]
+    return (
+        f"| {r['stats']} | {'yes' if r['fused'] else 'no'} | {r['dtype']} | {r['layout']} | {tuple(r['shape'])} "
+        f"| {r['torch_ms']:.3f} | {r['via_ours_ms'] / r['torch_ms']:.2f}x | {r['via_torch_ms'] / r['torch_ms']:.2f}x "
+        f"| {r['rule']} {chosen / r['torch_ms']:.2f}x |"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
-    parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per contender and size, in 5 interleaved rounds")
-    parser.add_argument("--no-write", action="store_true", help="print, do not touch RESULTS.md")
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES), help="input dtypes (default: all four)")
+    parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per contender and size, in 5 interleaved rounds (default: 0.5)")
+    parser.add_argument("--json", default=None, help="also write the records to this JSON file (default: print only)")
     args = parser.parse_args()
     backend = backend_name(torch.device("cpu"))
     if not backend.startswith("compiled-cpu"):
         sys.exit(f"no compiled CPU kernels here ({backend}): torch's batch norm serves every lone replica")
     torch.manual_seed(0)
-    allocator = "glibc malloc, freed blocks kept (see keep_freed_blocks)" if keep_freed_blocks() else "default allocator"
-    bandwidth = copy_bandwidth_gbs(args.min_run_time)
-    table, rows = measure(args.dtypes, args.min_run_time)
-    code = table_source(table)
-    print(code)
-    if not args.no_write:
-        write_results(section(backend, code, rows, bandwidth, args.min_run_time, allocator), *keyed_markers("bench_lone_replica", backend))
+    keep_freed_blocks()
+    print(machine_line(copy_bandwidth_gbs(args.min_run_time), args.min_run_time, "glibc malloc, freed blocks kept"))
+    print("| stats | fused | dtype | layout | shape | torch ms | via ours | via torch | the rule |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    records = measure(args.dtypes, args.min_run_time)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"backend": backend, "machine": machine_line(0.0, args.min_run_time, ""), "records": records}, f, indent=1)
 
 
 if __name__ == "__main__":

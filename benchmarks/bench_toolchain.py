@@ -2,13 +2,13 @@
 
 - fixed cost: forward + backward (input, weight and bias gradients) of one layer on a tiny
   (2, 64, 4, 4) float32 input, where the time is the Python and dispatch around the kernels:
-  ``nn.BatchNorm2d`` against ours, through the route the measured table picks (torch's kernel at
+  ``nn.BatchNorm2d`` against ours, through the route the rule picks (torch's kernel at
   this size: the cost of our module's Python) and forced through our kernels (one
   ``batch_norm_train`` operator forward, ``backward_reduce`` + ``backward_elemt`` backward); the
   differences in microseconds.
 - torch.compile: one SGD-free training step (forward, loss, backward) of a small ResNet-style net
   (conv stem, 2 basic blocks with residual adds, BN1d head) on (16, 3, 32, 32) float32, eager and
-  ``torch.compile(fullgraph=True)``, with torch's layers and with ours (measured routes, and
+  ``torch.compile(fullgraph=True)``, with torch's layers and with ours (the rule's routes, and
   forced through our kernels).
 
     python benchmarks/bench_toolchain.py            # writes its section of RESULTS.md
@@ -45,19 +45,19 @@ def fixed_cost_steps(**layers: nn.Module) -> dict:
 
 
 def fixed_cost_rows(min_run_time: float) -> list[str]:
-    """nn.BatchNorm2d against our layer through the route the measured table picks at this size
+    """nn.BatchNorm2d against our layer through the route the rule picks at this size
     (torch's kernel: what the fixed cost of our module is) and forced through our kernels."""
     ours = NN.BatchNorm2d(FIXED_COST_SHAPE[1])
     steps = fixed_cost_steps(torch=nn.BatchNorm2d(FIXED_COST_SHAPE[1]), ours=ours)
     times = interleaved_medians(
-        {"torch": steps["torch"], "measured": routed("measured", steps["ours"]), "ours": routed("ours", steps["ours"])},
+        {"torch": steps["torch"], "rule": routed("rule", steps["ours"]), "ours": routed("ours", steps["ours"])},
         min_run_time,
     )
     times = {name: ms * 1e3 for name, ms in times.items()}
     return [
         f"| {FIXED_COST_SHAPE} float32, forward+backward, {what} | {times['torch']:.1f} | {times[route]:.1f} | "
         f"{times[route] - times['torch']:+.1f} us |"
-        for route, what in [("measured", "the measured route (torch's kernel here)"), ("ours", "forced through our kernels")]
+        for route, what in [("rule", "the rule's route (torch's kernel here)"), ("ours", "forced through our kernels")]
     ]
 
 
@@ -76,8 +76,8 @@ def compile_rows(min_run_time: float) -> list[str]:
     ours = NN.convert_sync_batchnorm(copy.deepcopy(theirs))
     rows = []
     for name, model, route in [
-        ("torch's layers", theirs, "measured"),
-        ("ours, measured routes", ours, "measured"),
+        ("torch's layers", theirs, "rule"),
+        ("ours, the rule's routes", ours, "rule"),
         ("ours, forced through our kernels", ours, "ours"),
     ]:
         with lone_replica.forced(route):
@@ -97,7 +97,7 @@ def report(fixed: list[str], compiled: list[str], bandwidth: float, min_run_time
         "",
         "Fixed cost of one layer, in microseconds, a lone replica (through our kernels: the "
         "`batch_norm_train` operator forward, `backward_reduce` + `backward_elemt` backward; the "
-        "measured route picks torch's kernel at this size, see `bench_lone_replica.py`). Medians "
+        "rule picks torch's kernel at this size, see `functions/lone_replica.py`). Medians "
         "over 5 rounds that take the contenders in turn:",
         "",
         "| case | nn.BatchNorm2d, us | ours, us | ours - torch |",

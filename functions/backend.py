@@ -1,20 +1,22 @@
 """Which kernels serve the ``torch.ops.syncbn`` operators (:mod:`functions.ops`) on each device.
 
-The dispatcher picks the kernel by the tensors' device; this module decides what is registered:
+The dispatcher picks the kernel by the tensors' device; this module decides what is registered
+(:func:`use_kernels`; :func:`backend_info` says what serves):
 
 - CPU: the compiled kernels (``src/cpu``, built into ``functions/_C_<capability>`` by
-  ``setup.py``), the best build for an instruction set that this CPU has; importing it registers
-  them. Where none is built, the pure-PyTorch reference serves (with one warning).
+  ``setup.py``), the best build for an instruction set that this CPU has. Where none is built,
+  the pure-PyTorch reference serves (with one warning).
 - CUDA: by default torch's own SyncBN CUDA ops serve the statistics, elementwise and backward
   operators, and ATen the rest (the fused residual and activation forms, the merges, the rows,
   the running-statistics update): C++ kernels built into the CPU extension
-  (``src/torch_cuda_ops.cpp``, registered for the CUDA key at import; each one pass over memory
-  where torch has an op, no host synchronization, no GIL); without the CPU extension the
-  reference serves CUDA too. Our CUDA kernels (``src/cuda``, built into ``functions/_C_cuda``
-  where torch is a CUDA build and a toolkit is found) are loaded and registered instead only
-  with ``SYNCBN_CUDA_KERNELS=compiled`` (opt-in until they beat torch's ops in every layout).
-- ``SYNCBN_KERNELS=reference`` registers no compiled kernel: the reference serves every device
-  (to debug, or to test it); the compiled module still serves the replicas' native meeting.
+  (``src/torch_cuda_ops.cpp``; each one pass over memory where torch has an op, no host
+  synchronization, no GIL); without the CPU extension the reference serves CUDA too. Our CUDA
+  kernels (``src/cuda``, built into ``functions/_C_cuda`` where torch is a CUDA build and a
+  toolkit is found) serve instead after ``use_kernels(cuda="compiled")`` (opt-in until they
+  beat torch's ops in every layout).
+- ``use_kernels(cpu="reference", cuda="reference")`` unregisters every compiled kernel: the
+  reference serves every device (to debug, or to test it); the compiled module still serves the
+  replicas' native meeting.
 """
 from __future__ import annotations
 
@@ -31,9 +33,7 @@ from . import ops  # noqa: F401  (the operators' schemas, before any kernel is r
 
 # Instruction sets the CPU kernels may be built for, weakest first (see setup.py).
 CPU_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")
-FORCE_REFERENCE = os.environ.get("SYNCBN_KERNELS", "").lower() == "reference"
 BUILD_HINT = "build them with `pip install --no-build-isolation -e .` (or `./make_ext.sh`) in the project's folder"
-CUDA_OPT_IN = os.environ.get("SYNCBN_CUDA_KERNELS", "").lower() == "compiled"
 CUDA_BUILD_HINT = (
     "build them where torch is a CUDA build and the CUDA toolkit (nvcc, CUDA_HOME) is installed, "
     "with `./make_ext.sh` or `pip install --no-build-isolation -e .`"
@@ -102,50 +102,89 @@ def cuda_build_failure() -> str | None:
 
 def note_cuda_build_failure() -> None:
     """Repeat a failed CUDA build's paragraph (pip hides build output): in backend_info(), and
-    as a warning where it matters (a GPU is visible, or our CUDA kernels were asked for)."""
+    as a warning where a GPU is visible (asking for our CUDA kernels raises it as an error)."""
     failure = cuda_build_failure()
-    if failure is None or FORCE_REFERENCE:
+    if failure is None:
         return
     LOAD_PROBLEMS["cuda"] = failure
-    if CUDA_OPT_IN or torch.cuda.is_available():
+    if torch.cuda.is_available():
         warnings.warn(failure, RuntimeWarning, stacklevel=3)
 
 
-def load_compiled_cuda() -> ModuleType | None:
-    """The compiled CUDA extension ``functions._C_cuda`` (asked for with
-    ``SYNCBN_CUDA_KERNELS=compiled``), or None with one warning that says why and that torch's
-    CUDA ops serve instead."""
-    if FORCE_REFERENCE:
-        return None
-    module, problem = import_extension("_C_cuda")
-    if module is None:
-        LOAD_PROBLEMS["cuda"] = problem
-        warnings.warn(
-            f"syncbn: SYNCBN_CUDA_KERNELS=compiled, but the compiled CUDA kernels are not usable ({problem}); "
-            f"torch's CUDA ops serve CUDA tensors: {CUDA_BUILD_HINT}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    return module
-
-
 EXTENSION = load_extension()
-"""The compiled module (src/bindings.cpp), or None where it is not built: its kernels, and the
-native synchronized call whose ``ReplicaRound`` and ``sync_batch_norm`` (src/sync_batch_norm.cpp)
-serve every synchronized call in one native call per replica and direction."""
-COMPILED: ModuleType | None = None if FORCE_REFERENCE else EXTENSION
-"""The compiled module where its kernels serve (registered here), None where the reference does."""
-note_cuda_build_failure()
-COMPILED_CUDA = load_compiled_cuda() if CUDA_OPT_IN else None
-if COMPILED is not None:
-    COMPILED.register_cpu_kernels()
-    if COMPILED_CUDA is None:
-        COMPILED.register_torch_cuda_ops()  # src/torch_cuda_ops.cpp: torch's CUDA ops, in C++
-
+"""The compiled module (src/bindings.cpp), or None where it is not built: the CPU kernels, the
+default CUDA kernels (src/torch_cuda_ops.cpp), and the native synchronized call whose
+``ReplicaRound`` and ``sync_batch_norm`` (src/sync_batch_norm.cpp) serve every synchronized call
+in one native call per replica and direction, whichever kernels serve (under the reference it
+calls the reference through the dispatcher). Without it, a layer synchronizes across ranks
+through the autograd Function, and refuses replicas in one process."""
 NATIVE_ROUNDS: ModuleType | None = EXTENSION
-"""What serves synchronized calls natively: the compiled module, whichever kernels serve (under
-``SYNCBN_KERNELS=reference`` it calls the reference through the dispatcher). Without it, a layer
-synchronizes across ranks through the autograd Function, and refuses replicas in one process."""
+
+SERVING = {"cpu": "reference", "cuda": "reference"}
+"""What serves the operators now, per device type (set by :func:`use_kernels`)."""
+CPU_KERNELS = ("compiled", "reference")
+CUDA_KERNELS = ("torch", "compiled", "reference")
+_compiled_cuda: ModuleType | None = None
+
+
+def use_kernels(*, cpu: str | None = None, cuda: str | None = None) -> None:
+    """Choose which kernels serve the ``torch.ops.syncbn`` operators from now on, process-wide.
+
+    ``cpu``: ``'compiled'`` (our CPU kernels, the default where they are built) or
+    ``'reference'`` (the pure-PyTorch reference). ``cuda``: ``'torch'`` (torch's SyncBN CUDA ops
+    and ATen, the default where the compiled module is built), ``'compiled'`` (our CUDA kernels,
+    ``src/cuda``, opt-in) or ``'reference'``. None leaves a device type as it is. Asking for
+    kernels that are not built raises an error that says how to build them. Call it before
+    tracing or compiling a model: a compiled graph keeps the kernels it was compiled with.
+    """
+    if cpu is not None:
+        _check_choice("cpu", cpu, CPU_KERNELS)
+        if cpu == "compiled":
+            _require(EXTENSION, "the compiled CPU kernels", LOAD_PROBLEMS.get("cpu", "not built"), BUILD_HINT)
+        if EXTENSION is not None:
+            EXTENSION.set_cpu_kernels(cpu == "compiled")
+        SERVING["cpu"] = cpu
+    if cuda is not None:
+        _check_choice("cuda", cuda, CUDA_KERNELS)
+        if cuda == "torch":
+            _require(EXTENSION, "torch's CUDA ops (in the compiled module)", LOAD_PROBLEMS.get("cpu", "not built"), BUILD_HINT)
+        ours = _load_compiled_cuda() if cuda == "compiled" else _compiled_cuda
+        # one kernel per dispatch key: the one that leaves goes before the one that comes
+        if EXTENSION is not None and cuda != "torch":
+            EXTENSION.set_torch_cuda_ops(False)
+        if ours is not None and cuda != "compiled":
+            ours.set_kernels(False)
+        if cuda == "torch":
+            EXTENSION.set_torch_cuda_ops(True)
+        elif cuda == "compiled":
+            ours.set_kernels(True)
+        SERVING["cuda"] = cuda
+
+
+def _check_choice(device_type: str, choice: str, choices: tuple[str, ...]) -> None:
+    if choice not in choices:
+        raise ValueError(f"use_kernels: {device_type} must be one of {choices}, got {choice!r}")
+
+
+def _require(module: ModuleType | None, what: str, problem: str, hint: str) -> None:
+    if module is None:
+        raise RuntimeError(f"syncbn: {what} are not usable ({problem}): {hint}")
+
+
+def _load_compiled_cuda() -> ModuleType:
+    """The compiled CUDA extension ``functions._C_cuda``, imported once, or an error that says
+    why it is not usable and how to build it."""
+    global _compiled_cuda
+    if _compiled_cuda is None:
+        module, problem = import_extension("_C_cuda")
+        _require(module, "our compiled CUDA kernels", cuda_build_failure() or problem, CUDA_BUILD_HINT)
+        _compiled_cuda = module
+    return _compiled_cuda
+
+
+note_cuda_build_failure()
+if EXTENSION is not None:
+    use_kernels(cpu="compiled", cuda="torch")
 
 
 def set_thread_intra_op_threads(threads: int) -> bool:
@@ -159,22 +198,19 @@ def set_thread_intra_op_threads(threads: int) -> bool:
     return EXTENSION.set_thread_intra_op_threads(threads) == threads
 
 
-_BACKEND_NAMES = {
-    "cpu": "reference" if COMPILED is None else f"compiled-cpu-{COMPILED.capability.lower()}",
-    "cuda": "reference" if FORCE_REFERENCE else "torch-cuda-ops" if COMPILED_CUDA is None else "compiled-cuda",
-}
-
-
 def backend_name(device: torch.device) -> str:
     """Which kernels serve the operators on ``device``: ``compiled-cpu-<isa>``, ``compiled-cuda``,
     ``torch-cuda-ops`` or ``reference``."""
-    return _BACKEND_NAMES.get(device.type, "reference")
+    serving = SERVING.get(device.type, "reference")
+    if serving == "compiled":
+        return f"compiled-cpu-{EXTENSION.capability.lower()}" if device.type == "cpu" else "compiled-cuda"
+    return "torch-cuda-ops" if serving == "torch" else "reference"
 
 
 def serves_single_device(device: torch.device) -> bool:
     """Whether our kernels may serve a lone replica on ``device`` at all: only the compiled CPU
-    kernels do (the CUDA kernels have not run on a GPU yet, so cuDNN serves a lone CUDA replica).
-    Which cases and sizes they serve there is measured: :mod:`functions.lone_replica`."""
+    kernels do (cuDNN serves a lone CUDA replica). Which inputs they serve there:
+    :mod:`functions.lone_replica`."""
     return backend_name(device).startswith("compiled-cpu")
 
 

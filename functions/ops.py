@@ -6,7 +6,7 @@ declared once here, and what every device gets whatever was built.
   CUDA from ``functions/_C_cuda``) when :mod:`functions.backend` imports them.
 - The pure-PyTorch reference (:mod:`functions.reference`) is registered as the
   ``CompositeExplicitAutograd`` kernel: it serves every device without a compiled kernel of its
-  own (and every device under ``SYNCBN_KERNELS=reference``, where no extension is loaded).
+  own (and every device after ``use_kernels(cpu="reference", cuda="reference")``).
 - A fake implementation of each (shapes, dtypes and layouts only) lets torch.compile,
   torch.export and FakeTensor trace through them; ``torch.library.opcheck`` checks all of this
   in ``tests/test_ops.py``.

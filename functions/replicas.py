@@ -41,15 +41,12 @@ TIMEOUT_ENV = "SYNCBN_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0
 MAX_TIMEOUT = 1e9
 """Seconds: about 31 years, as good as no timeout; beyond, the waits' deadlines overflow."""
-SPIN_ENV = "SYNCBN_SPIN_US"
-DEFAULT_SPIN_US = 300.0
+SPIN_US = 300.0
 """How long a replica waiting at a meeting polls (yielding its core) before it sleeps, where a
 core is spare (src/replica_round.h, ``spare_core``: the long pollers and the replicas still
 working fit in :func:`usable_cores`; else it polls 50 us at most, ``kSharedSpin``): waking a
-sleeping thread costs 100 us or more on a VM whose vCPU went idle, which every other replica
-waits through (benchmarks/bench_sync_overhead.py measures the choice)."""
-MAX_SPIN_US = 1e6
-"""Microseconds: a second of polling is no longer a spin before sleeping."""
+sleeping thread costs more than that poll where its core went idle, and every other replica
+waits through it (benchmarks/bench_sync_overhead.py measures the choice)."""
 REPLICA_ATTR = "_sync_replica"
 
 Key = tuple[str, int]
@@ -61,20 +58,6 @@ class ReplicaSyncError(RuntimeError):
 
 if backend.NATIVE_ROUNDS is not None:
     backend.NATIVE_ROUNDS.set_replica_sync_error(ReplicaSyncError)  # what a native waiter raises
-
-
-def spin_from_environment() -> float | None:
-    """``$SYNCBN_SPIN_US`` (microseconds, 0 to 1e6; 0 sleeps at once), or None where unset."""
-    raw = os.environ.get(SPIN_ENV)
-    if not raw:
-        return None
-    try:
-        spin = float(raw)
-    except ValueError:
-        raise ValueError(f"{SPIN_ENV} must be a number of microseconds, got {raw!r}") from None
-    if not 0 <= spin <= MAX_SPIN_US:
-        raise ValueError(f"{SPIN_ENV} must be between 0 and {MAX_SPIN_US:g} microseconds, got {raw!r}")
-    return spin
 
 
 @functools.cache
@@ -103,11 +86,13 @@ class ReplicaRound:
     the round's native side (src/replica_round.h), made at the first exchange; this holds who
     belongs and why the round broke, where Python broke it."""
 
-    def __init__(self, layer: str, number: int, timeout: float) -> None:
+    def __init__(self, layer: str, number: int, timeout: float, spin_us: float | None = None) -> None:
         self.layer = layer
         self.number = number
         self.timeout = timeout
-        self._spin_us = spin_from_environment()  # for the native side; may raise (a bad $SYNCBN_SPIN_US)
+        self.spin_us = SPIN_US if spin_us is None else spin_us
+        """How long a replica waiting at this round's meetings polls, where a core is spare,
+        before it sleeps (microseconds, 0 to 1e6)."""
         self._members: list[weakref.ref] = []
         self._lock = threading.Lock()
         self._sealed = False
@@ -127,12 +112,6 @@ class ReplicaRound:
     def accepts_members(self) -> bool:
         with self._lock:
             return not self._sealed and any(ref() is not None for ref in self._members)
-
-    @property
-    def spin_us(self) -> float:
-        """How long a replica waiting at this round's meetings polls, where a core is spare,
-        before it sleeps: ``$SYNCBN_SPIN_US`` as the round began, else :data:`DEFAULT_SPIN_US`."""
-        return self._spin_us if self._spin_us is not None else DEFAULT_SPIN_US
 
     @property
     def sealed(self) -> bool:

@@ -263,13 +263,11 @@ class SyncBatchNorm(_BatchNorm):
                 return self._forward_traced(input, z, group)
             return self._forward_synced(input, z, handle, group)
         self._check_input(input, z)
-        # torch's own batch norm where it beats our kernels (measured: functions/lone_replica.py);
+        # torch's own batch norm where ours is not clearly faster (functions/lone_replica.py);
         # not for the cumulative average (momentum=None), whose factor torch reads on the host (a
         # sync on CUDA, and a value that torch.compile(fullgraph=True) and torch.export cannot
         # trace), and ours does not
-        takes_torch_kernels = self.momentum is not None and not takes_our_kernels(
-            input, fixed_stats=False, fused=self._fuses(z)
-        )
+        takes_torch_kernels = self.momentum is not None and not takes_our_kernels(input, fixed_stats=False)
         if takes_torch_kernels:
             if values_per_channel(input) == 1:  # the label is made only then: this is the hot path
                 check_values_per_channel(1, self._label(), [input.shape])
@@ -305,6 +303,7 @@ class SyncBatchNorm(_BatchNorm):
         running_mean, running_var = (self.running_mean, self.running_var) if tracks else (None, None)
         return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, True, self.momentum, self.eps)
 
+    @disable_when_compiling
     def _forward_synced(self, input: Tensor, z: Tensor | None, handle: ReplicaHandle | None, group: Any) -> Tensor:
         """Replicas (``handle``) and/or ranks (``group``) exchange statistics, eagerly:
         torch.compile breaks the graph here (:func:`~modules.compiler.disable_when_compiling`)."""
@@ -358,16 +357,13 @@ class SyncBatchNorm(_BatchNorm):
         self._check_input(input, z)
         fused = self._fuses(z)
         plain_eval = not self.frozen and not fused
-        if plain_eval or not takes_our_kernels(input, fixed_stats=True, fused=fused):
+        if plain_eval or not takes_our_kernels(input, fixed_stats=True):
             # torch's own eval-mode batch norm (bit-exact, double-differentiable), act unfused
             y = F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
             return self._activate(y, z)
         return frozen_batch_norm(
             input, self.running_mean, self.running_var, self.weight, self.bias, self.eps, z, self._negative_slope()
         )
-
-
-disable_when_compiling(SyncBatchNorm, "_forward_synced")
 
 
 class SyncBatchNorm1d(SyncBatchNorm):

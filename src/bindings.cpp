@@ -1,7 +1,7 @@
 // The Python module functions._C_<capability> (see setup.py): the CPU kernels, registered as the
 // CPU implementations of the torch.ops.syncbn operators (declared in functions/ops.py) when
-// functions/backend.py asks (register_cpu_kernels; not under SYNCBN_KERNELS=reference, where the
-// module still serves the replicas' native meeting), the default CUDA kernels
+// functions/backend.py asks (set_cpu_kernels; under the reference kernels the module still
+// serves the replicas' native meeting), the default CUDA kernels
 // (src/torch_cuda_ops.cpp) likewise, and the native synchronized call (src/sync_batch_norm.cpp).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -17,12 +17,10 @@
 
 namespace syncbn {
 
-// The CPU kernels as the CPU kernels of torch.ops.syncbn, once per process.
-void register_cpu_kernels() {
+// The CPU kernels as the CPU kernels of torch.ops.syncbn (on), or not (off: the reference serves).
+void set_cpu_kernels(bool on) {
   static std::unique_ptr<torch::Library> library;
-  if (library) return;
-  library = std::make_unique<torch::Library>(torch::Library::IMPL, "syncbn", c10::DispatchKey::CPU, __FILE__, __LINE__);
-  SYNCBN_IMPL_KERNELS((*library), syncbn::cpu)
+  switch_kernels(library, c10::DispatchKey::CPU, on, [](torch::Library& m) { SYNCBN_IMPL_KERNELS(m, syncbn::cpu) });
 }
 
 void bind_sync_batch_norm(pybind11::module_& m);  // src/sync_batch_norm.cpp
@@ -45,10 +43,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "CPU kernels of the synchronized batch norm, registered as torch.ops.syncbn.* for CPU tensors";
   m.attr("capability") = syncbn::cpu::capability();
   syncbn::bind_sync_batch_norm(m);
-  m.def("register_cpu_kernels", &syncbn::register_cpu_kernels,
-        "Register the CPU kernels (src/cpu) as the CPU kernels of torch.ops.syncbn");
-  m.def("register_torch_cuda_ops", &syncbn::torch_cuda::register_torch_cuda_ops,
-        "Register torch's SyncBN CUDA ops and ATen (src/torch_cuda_ops.cpp) as the CUDA kernels of torch.ops.syncbn");
+  m.def("set_cpu_kernels", &syncbn::set_cpu_kernels,
+        "Register (True) or unregister (False) the CPU kernels (src/cpu) as the CPU kernels of torch.ops.syncbn");
+  m.def("set_torch_cuda_ops", &syncbn::torch_cuda::set_torch_cuda_ops,
+        "Register (True) or unregister (False) torch's SyncBN CUDA ops and ATen (src/torch_cuda_ops.cpp) as the "
+        "CUDA kernels of torch.ops.syncbn");
   namespace torch_cuda = syncbn::torch_cuda;
   auto route = m.def_submodule("torch_cuda_ops", "Those kernels as functions, for the tests (ATen: any device)");
   route.def("local_stats", &torch_cuda::local_stats);

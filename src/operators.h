@@ -5,7 +5,9 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
+#include <memory>
 #include <optional>
 #include <tuple>
 
@@ -126,6 +128,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_train(
   m.impl("pack_row", TORCH_FN(syncbn::pack_row));                         \
   m.impl("unpack_row", TORCH_FN(syncbn::unpack_row));
 
-// Registers them for the dispatch key KEY when the library loads (the CUDA extension).
-#define SYNCBN_REGISTER_KERNELS(KEY, NS) \
-  TORCH_LIBRARY_IMPL(syncbn, KEY, m) { SYNCBN_IMPL_KERNELS(m, NS) }
+// Registers (on) or unregisters (off) a set of kernels for one dispatch key: they live in a
+// torch::Library whose destruction unregisters them. `impl(library)` makes the impl calls.
+template <typename Impl>
+void switch_kernels(std::unique_ptr<torch::Library>& library, c10::DispatchKey key, bool on, Impl impl) {
+  if (!on) {
+    library.reset();
+  } else if (!library) {
+    library = std::make_unique<torch::Library>(torch::Library::IMPL, "syncbn", key, __FILE__, __LINE__);
+    impl(*library);
+  }
+}

@@ -2,7 +2,7 @@
 // kernels (src/cuda) are not loaded: torch's SyncBN CUDA ops (batch_norm_stats,
 // batch_norm_elemt, batch_norm_backward_reduce, batch_norm_backward_elemt: one pass over memory
 // each) and the rest composed on ATen. Built into the CPU extension (no nvcc needed) and
-// registered for the CUDA key at run time (register_torch_cuda_ops, from functions/backend.py),
+// registered for the CUDA key at run time (set_torch_cuda_ops, from functions/backend.py),
 // so that a replica thread on the synchronized CUDA route never takes the GIL for an operator.
 // The math is functions/reference.py's, which the tests hold these to (on CPU tensors: every
 // ATen call here has a CPU kernel too). No host read of a device value.
@@ -179,22 +179,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_gathered_stats(
   return {total, mean, var, valid};
 }
 
-void register_torch_cuda_ops() {
-  static std::unique_ptr<torch::Library> library;  // registered once, for the life of the process
-  if (library) return;
-  library = std::make_unique<torch::Library>(torch::Library::IMPL, "syncbn", c10::DispatchKey::CUDA, __FILE__,
-                                             __LINE__);
-  library->impl("local_stats", TORCH_FN(local_stats));
-  library->impl("elemt_forward", TORCH_FN(elemt_forward));
-  library->impl("backward_reduce", TORCH_FN(backward_reduce));
-  library->impl("backward_elemt", TORCH_FN(backward_elemt));
-  library->impl("backward_affine_act", TORCH_FN(backward_affine_act));
-  library->impl("merge_stats", TORCH_FN(merge_stats));
-  library->impl("merge_gathered_stats", TORCH_FN(merge_gathered_stats));
-  library->impl("update_running_stats", TORCH_FN(syncbn::update_running_stats));
-  library->impl("batch_norm_train", TORCH_FN(syncbn::batch_norm_train));
-  library->impl("pack_row", TORCH_FN(syncbn::pack_row));
-  library->impl("unpack_row", TORCH_FN(syncbn::unpack_row));
+void set_torch_cuda_ops(bool on) {
+  static std::unique_ptr<torch::Library> library;
+  switch_kernels(library, c10::DispatchKey::CUDA, on, [](torch::Library& m) {
+    m.impl("local_stats", TORCH_FN(local_stats));
+    m.impl("elemt_forward", TORCH_FN(elemt_forward));
+    m.impl("backward_reduce", TORCH_FN(backward_reduce));
+    m.impl("backward_elemt", TORCH_FN(backward_elemt));
+    m.impl("backward_affine_act", TORCH_FN(backward_affine_act));
+    m.impl("merge_stats", TORCH_FN(merge_stats));
+    m.impl("merge_gathered_stats", TORCH_FN(merge_gathered_stats));
+    m.impl("update_running_stats", TORCH_FN(syncbn::update_running_stats));
+    m.impl("batch_norm_train", TORCH_FN(syncbn::batch_norm_train));
+    m.impl("pack_row", TORCH_FN(syncbn::pack_row));
+    m.impl("unpack_row", TORCH_FN(syncbn::unpack_row));
+  });
 }
 
 }  // namespace syncbn::torch_cuda

@@ -35,6 +35,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_gathered_stats(
 // Registers them, with the device-generic composite operators (src/operators.h), as the CUDA
 // kernels of torch.ops.syncbn; once per process (functions/backend.py calls it where our own
 // CUDA kernels are not loaded).
-void register_torch_cuda_ops();
+void set_torch_cuda_ops(bool on);
 
 }  // namespace syncbn::torch_cuda

@@ -6,9 +6,16 @@ from __future__ import annotations
 
 import pytest
 
+import syncbn.functions.replicas as replicas
 import syncbn.modules.batchnorm as batchnorm
 
 
 def through_the_function(monkeypatch: pytest.MonkeyPatch) -> None:
     """Synchronized calls take the autograd Function for the rest of the test."""
     monkeypatch.setattr(batchnorm, "native_serves", lambda: False)
+
+
+def replicas_spin(monkeypatch: pytest.MonkeyPatch, microseconds: float) -> None:
+    """The rounds that begin for the rest of the test poll ``microseconds`` (where a core is
+    spare) before their waiters sleep."""
+    monkeypatch.setattr(replicas, "SPIN_US", microseconds)

@@ -1,10 +1,27 @@
-"""The suite tests our kernels: a lone replica takes them (as ``SYNCBN_LONE_REPLICA=ours``)
-wherever they are compiled, whatever the measured table of ``functions/lone_replica.py`` would
-pick on this machine, so that every layer test exercises them. ``tests/test_lone_replica.py``
-tests the measured routing itself (and torch's route) under ``lone_replica.forced``."""
+"""The suite tests our kernels: a lone replica takes them (``lone_replica.forced("ours")``)
+wherever they are compiled, whatever the rule of ``functions/lone_replica.py`` would pick, so that
+every layer test exercises them; ``tests/test_lone_replica.py`` tests the rule itself (and
+torch's route).
+
+``--kernels reference`` runs the suite through the pure-PyTorch reference on every device;
+``--cuda-kernels compiled`` through our CUDA kernels (``syncbn.functions.use_kernels``)."""
 import pytest
 
-from syncbn.functions import lone_replica
+from syncbn.functions import backend, lone_replica
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--kernels", choices=("compiled", "reference"), default="compiled",
+                     help="which kernels serve the operators on every device (default: compiled)")
+    parser.addoption("--cuda-kernels", choices=backend.CUDA_KERNELS, default=None,
+                     help="which kernels serve CUDA tensors (default: torch's CUDA ops; 'compiled': ours)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--kernels") == "reference":
+        backend.use_kernels(cpu="reference", cuda="reference")
+    if config.getoption("--cuda-kernels"):
+        backend.use_kernels(cuda=config.getoption("--cuda-kernels"))
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,7 @@ from syncbn.functions.reference import memory_format_of
 OPS = torch.ops.syncbn
 pytestmark = pytest.mark.skipif(
     not backend.serves_single_device(torch.device("cpu")),
-    reason="compiled CPU kernels not built or SYNCBN_KERNELS=reference",
+    reason="compiled CPU kernels not built or the reference serves (--kernels reference)",
 )
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]

@@ -8,7 +8,7 @@ in the one kernel suite, tests/test_kernels.py (its ``cuda`` cases).
 Needs a GPU: the whole file is skipped where ``torch.cuda.is_available()`` is false. The kernel
 tests also need our CUDA kernels registered as the CUDA kernels of torch.ops.syncbn (built by
 ``./make_ext.sh`` where torch is a CUDA build and a toolkit is found, loaded with
-``SYNCBN_CUDA_KERNELS=compiled``); the module tests run through whichever CUDA backend serves.
+``pytest --cuda-kernels compiled``); the module tests run through whichever CUDA backend serves.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ pytestmark = pytest.mark.skipif(
 
 OPS = torch.ops.syncbn  # on CUDA tensors: our CUDA kernels where they are loaded
 needs_ops = pytest.mark.skipif(
-    backend.COMPILED_CUDA is None,
-    reason=f"our CUDA kernels are not loaded (SYNCBN_CUDA_KERNELS=compiled, and {backend.CUDA_BUILD_HINT})",
+    backend.SERVING["cuda"] != "compiled",
+    reason=f"our CUDA kernels do not serve (pytest --cuda-kernels compiled, and {backend.CUDA_BUILD_HINT})",
 )
 DEVICE = "cuda"
 
@@ -110,7 +110,7 @@ PARITY_TOLERANCE = {
 
 @pytest.fixture
 def cuda_backend() -> str:
-    """The CUDA backend that serves (set at import: run once with SYNCBN_CUDA_KERNELS=compiled too)."""
+    """The CUDA backend that serves (run once with --cuda-kernels compiled too)."""
     return backend.backend_name(torch.device(DEVICE))
 
 

@@ -28,7 +28,7 @@ FULL_SIZE_OPS = ("local_stats", "elemt_forward", "backward_reduce", "backward_el
 
 needs_default_cuda_route = pytest.mark.skipif(
     backend.backend_name(torch.device("cuda")) != "torch-cuda-ops",
-    reason="the default CUDA route (torch's ops) is not registered (SYNCBN_KERNELS=reference or our CUDA kernels)",
+    reason="the default CUDA route (torch's ops) is not registered (the reference or our CUDA kernels serve)",
 )
 
 
@@ -61,9 +61,9 @@ def test_the_synchronized_cuda_route_has_no_python_kernel() -> None:
 
 
 def torch_cuda_kernels():
-    if backend.COMPILED is None:
+    if backend.EXTENSION is None:
         pytest.skip("the CPU extension (which holds the default CUDA kernels) is not loaded")
-    return backend.COMPILED.torch_cuda_ops
+    return backend.EXTENSION.torch_cuda_ops
 
 
 class OperatorCalls(TorchDispatchMode):

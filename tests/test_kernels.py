@@ -1,11 +1,11 @@
 """The compiled kernels of every device (src/cpu, src/cuda) against the pure-PyTorch reference
 (functions/reference.py), op by op: one suite, parametrized over the device, whose kernels are
-the backend under test (they skip under ``SYNCBN_KERNELS=reference``, which loads none). The
+the backend under test (they skip under ``pytest --kernels reference``, which registers none). The
 shapes, layouts and dtypes are chosen per device to hit every code path: C = 1 and C = 65, one
 value per channel, an empty batch, sizes that are no multiple of the vector width, rows long
 enough to be cut into several pieces, threads (CPU), tiles and two-stage reductions (CUDA);
 plus hypothesis-generated shapes, gradcheck through the compiled path, and how the CPU backend
-is chosen. The CUDA cases need a GPU and ``SYNCBN_CUDA_KERNELS=compiled``; elsewhere they skip."""
+is chosen. The CUDA cases need a GPU and ``pytest --cuda-kernels compiled``; elsewhere they skip."""
 from __future__ import annotations
 
 import importlib
@@ -22,12 +22,12 @@ from syncbn.functions.ops import affine_act_grads
 from syncbn.functions import reference as ref
 from syncbn.functions.reference import memory_format_of
 
-COMPILED = backend.COMPILED
+COMPILED = backend.EXTENSION if backend.SERVING["cpu"] == "compiled" else None
 OPS = torch.ops.syncbn  # dispatches to the kernels of the input's device
-needs_compiled = pytest.mark.skipif(COMPILED is None, reason="compiled kernels not built or SYNCBN_KERNELS=reference")
+needs_compiled = pytest.mark.skipif(COMPILED is None, reason="compiled kernels not built or the reference serves (--kernels reference)")
 needs_cuda_kernels = pytest.mark.skipif(
-    not torch.cuda.is_available() or backend.COMPILED_CUDA is None,
-    reason=f"needs a GPU and our CUDA kernels loaded (SYNCBN_CUDA_KERNELS=compiled; {backend.CUDA_BUILD_HINT})",
+    not torch.cuda.is_available() or backend.SERVING["cuda"] != "compiled",
+    reason=f"needs a GPU and our CUDA kernels serving (pytest --cuda-kernels compiled; {backend.CUDA_BUILD_HINT})",
 )
 DEVICES = [pytest.param("cpu", marks=needs_compiled), pytest.param("cuda", marks=needs_cuda_kernels)]
 
@@ -502,13 +502,39 @@ def test_bad_arguments_raise(device, what) -> None:
 
 
 def test_cpu_backend_is_compiled_unless_the_reference_is_forced() -> None:
-    if backend.FORCE_REFERENCE:
+    if backend.SERVING["cpu"] == "reference":
         assert backend.backend_info()["cpu"] == "reference"
         assert not backend.serves_single_device(torch.device("cpu"))
         return
     assert COMPILED is not None, f"the compiled CPU kernels are not built: {backend.BUILD_HINT}"
     assert COMPILED.capability in backend.usable_cpu_capabilities()
     assert backend.backend_info()["cpu"] == f"compiled-cpu-{COMPILED.capability.lower()}"
+
+
+@needs_compiled
+def test_use_kernels_registers_and_unregisters_the_compiled_kernels() -> None:
+    has_cpu_kernel = lambda: torch._C._dispatch_has_kernel_for_dispatch_key("syncbn::local_stats", "CPU")  # noqa: E731
+    has_cuda_kernel = lambda: torch._C._dispatch_has_kernel_for_dispatch_key("syncbn::local_stats", "CUDA")  # noqa: E731
+    x = torch.randn(6, 3, 4, 4, dtype=torch.float64)
+    compiled = OPS.local_stats(x)
+    assert has_cpu_kernel() and has_cuda_kernel()
+    try:
+        backend.use_kernels(cpu="reference", cuda="reference")
+        assert not has_cpu_kernel() and not has_cuda_kernel()
+        assert backend.backend_info()["cpu"] == backend.backend_info()["cuda"] == "reference"
+        assert not backend.serves_single_device(torch.device("cpu"))
+        for got, want in zip(OPS.local_stats(x), compiled):  # the reference serves: the same statistics
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        with pytest.raises(ValueError, match="cpu must be one of"):
+            backend.use_kernels(cpu="fastest")
+    finally:
+        backend.use_kernels(cpu="compiled", cuda="torch")
+    assert has_cpu_kernel() and has_cuda_kernel()
+    assert backend.backend_info()["cuda"] == "torch-cuda-ops"
+    if backend.cuda_build_failure() is not None or not backend.extension_files("_C_cuda"):
+        with pytest.raises(RuntimeError, match="compiled CUDA kernels are not usable"):
+            backend.use_kernels(cuda="compiled")
+        assert backend.backend_info()["cuda"] == "torch-cuda-ops" and has_cuda_kernel()
 
 
 def test_missing_extension_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:

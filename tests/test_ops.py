@@ -1,7 +1,7 @@
 """The torch.ops.syncbn operators: ``torch.library.opcheck`` (schema, fake implementation, AOT
 dispatch with static and dynamic shapes) over every operator, on float64, float32, bfloat16 and
 float16; NCHW, channels_last 2d and 3d, (N, C); an empty batch; C = 1; on the CPU (whatever serves
-it: the compiled kernels, or the reference under SYNCBN_KERNELS=reference) and on CUDA where a GPU
+it: the compiled kernels, or the reference under pytest --kernels reference) and on CUDA where a GPU
 is visible. Plus the GIL: the kernels run without it."""
 from __future__ import annotations
 

@@ -386,7 +386,7 @@ def test_cpu_replicas_share_the_callers_intra_op_threads(replicas: int) -> None:
     # on the cores; each takes its share instead, and the caller's own setting stays as it was
     from syncbn.functions import backend
 
-    if backend.COMPILED is None:
+    if backend.EXTENSION is None:
         pytest.skip("the per-thread setting needs the compiled module")
     before = torch.get_num_threads()
     torch.set_num_threads(4)

@@ -138,7 +138,7 @@ def test_shared_layer_called_twice() -> None:
     train_in_lockstep(Twice, (10, 4, 3, 3), 4)
 
 
-@pytest.mark.skipif(backend.COMPILED is None, reason="the reference serves merge_stats: other arithmetic, other bits")
+@pytest.mark.skipif(backend.SERVING["cpu"] != "compiled", reason="the reference serves merge_stats: other arithmetic, other bits")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_the_native_merge_of_host_replicas_has_the_merge_operators_bits(dtype: torch.dtype) -> None:
     # CPU replicas merge in two loops over the channels (src/sync_batch_norm.cpp), not through

@@ -19,7 +19,7 @@ from syncbn.functions.replicas import ReplicaRound, resolve_timeout
 from helpers import replayed_replicas, run_threads, share_of_a_counting_thread, stock_replicas
 from syncbn import nn as NN
 from syncbn.modules.parallel import ThreadedDataParallel
-from testkit.paths import through_the_function
+from testkit.paths import replicas_spin, through_the_function
 
 
 class RaiseOn(nn.Module):
@@ -118,52 +118,42 @@ def test_bad_timeout_values(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_timeout(None)
 
 
-def test_spin_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    # how long a replica waiting at a native meeting polls before it sleeps: $SYNCBN_SPIN_US, else 300 us
-    monkeypatch.delenv("SYNCBN_SPIN_US", raising=False)
+def test_rounds_spin(monkeypatch: pytest.MonkeyPatch) -> None:
+    # how long a replica waiting at a native meeting polls before it sleeps: 300 us by default
     monkeypatch.setattr(replicas, "usable_cores", lambda: 2)
     round = ReplicaRound("layer", 1, 5.0)
     members = [nn.Identity() for _ in range(3)]
     for member in members:
         round.add(member)
-    assert round.spin_us == replicas.DEFAULT_SPIN_US == 300.0
+    assert round.spin_us == replicas.SPIN_US == 300.0
     if backend.NATIVE_ROUNDS is not None:  # the cores that decide who may poll reach the native side
         assert round.native().cores == 2
+        assert round.native().spin_us == 300.0
     torch.manual_seed(0)
     x = torch.randn(5, 3, 2, 2, dtype=torch.float64)  # chunks 3, 2
-    for value in ("0", "1000"):
-        monkeypatch.setenv("SYNCBN_SPIN_US", value)
-        round = ReplicaRound("layer", 1, 5.0)
-        assert round.spin_us == float(value)
+    for value in (0.0, 1000.0):
+        round = ReplicaRound("layer", 1, 5.0, spin_us=value)
         if backend.NATIVE_ROUNDS is not None:  # the native side waits with it
             members = [nn.Identity(), nn.Identity()]
             for member in members:
                 round.add(member)
-            assert round.native().spin_us == float(value)
+            assert round.native().spin_us == value
+        replicas_spin(monkeypatch, value)  # the rounds of the layers below
         ours, theirs = NN.SyncBatchNorm2d(3).double(), nn.BatchNorm2d(3).double()
         a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
         y = ThreadedDataParallel(ours, ["cpu"] * 2)(a)
+        assert ours._round_tracker._current.spin_us == value
         torch.testing.assert_close(y, theirs(b), rtol=0, atol=1e-12)
         y.square().sum().backward()
         theirs(b).square().sum().backward()
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
 
 
-def test_bad_spin_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = ThreadedDataParallel(NN.SyncBatchNorm2d(3), ["cpu"] * 2)
-    for bad in ("-1", "nan", "inf", "2e6", "fast"):
-        monkeypatch.setenv("SYNCBN_SPIN_US", bad)
-        with pytest.raises(ValueError, match="SYNCBN_SPIN_US"):
-            ReplicaRound("layer", 1, 5.0)
-        start = time.monotonic()
-        with pytest.raises(ValueError, match="SYNCBN_SPIN_US"):  # where the round begins: nobody waits
-            model(torch.randn(4, 3, 2, 2))
-        assert time.monotonic() - start < 5
-    if backend.NATIVE_ROUNDS is not None:
+@pytest.mark.skipif(backend.NATIVE_ROUNDS is None, reason="the native meeting checks its spin")
+def test_bad_spin_values() -> None:
+    for bad in (-1.0, float("nan"), float("inf"), 2e6):
         with pytest.raises(ValueError, match="spin_us"):
-            backend.NATIVE_ROUNDS.ReplicaRound(2, 5.0, "layer", 1, -1.0)
-    monkeypatch.setenv("SYNCBN_SPIN_US", "0")
-    model(torch.randn(4, 3, 2, 2))  # the next step starts clean
+            backend.NATIVE_ROUNDS.ReplicaRound(2, 5.0, "layer", 1, bad)
 
 
 def replica_mark(x: torch.Tensor) -> int:
@@ -204,7 +194,7 @@ def test_waiters_poll_only_on_spare_cores(monkeypatch: pytest.MonkeyPatch, repli
     # The first replica waits 0.4 s for the others. It may poll long (burning its core's time, here
     # up to a second) only where the replicas still working leave a core spare: with 3 replicas on
     # 2 cores, the 2 still working need both, so it polls 50 us at most and sleeps.
-    monkeypatch.setenv("SYNCBN_SPIN_US", "1000000")
+    replicas_spin(monkeypatch, 1e6)
     monkeypatch.setattr(replicas, "usable_cores", lambda: cores)
     seen: dict = {}
     model = nn.Sequential(LateReplicas(0.4), MeetingCpuTime(NN.SyncBatchNorm2d(3), seen)).double()

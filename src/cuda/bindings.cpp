@@ -1,13 +1,21 @@
-// The Python module functions._C_cuda (see setup.py). Importing it registers the CUDA kernels of
-// src/cuda/ as the CUDA implementations of the torch.ops.syncbn operators (declared in
-// functions/ops.py).
+// The Python module functions._C_cuda (see setup.py): the CUDA kernels of src/cuda/, registered as
+// the CUDA implementations of the torch.ops.syncbn operators (declared in functions/ops.py) when
+// functions/backend.py asks (use_kernels(cuda="compiled")).
 #include <torch/extension.h>
 #include <torch/library.h>
 
 #include "batch_norm_cuda.h"
 
-SYNCBN_REGISTER_KERNELS(CUDA, syncbn::cuda)
+namespace {
+void set_kernels(bool on) {
+  static std::unique_ptr<torch::Library> library;
+  syncbn::switch_kernels(library, c10::DispatchKey::CUDA, on,
+                         [](torch::Library& m) { SYNCBN_IMPL_KERNELS(m, syncbn::cuda) });
+}
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "CUDA kernels of the synchronized batch norm, registered as torch.ops.syncbn.* for CUDA tensors";
+  m.def("set_kernels", &set_kernels,
+        "Register (True) or unregister (False) these kernels as the CUDA kernels of torch.ops.syncbn");
 }
