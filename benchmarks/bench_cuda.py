@@ -91,7 +91,7 @@ def step_functions(case: Case, buffers: Rotating) -> dict[str, Callable[[], obje
     weight = torch.rand(C, device="cuda") + 0.5
     bias = torch.randn(C, device="cuda")
     running_mean, running_var = torch.zeros(C, device="cuda"), torch.ones(C, device="cuda")
-    ops = torch.ops.syncbn if backend.COMPILED_CUDA is not None else None  # our CUDA kernels, when loaded
+    ops = torch.ops.syncbn if backend.SERVING["cuda"] == "compiled" else None  # our CUDA kernels, when loaded
 
     def copy():
         x, y, _ = buffers.next()
@@ -214,9 +214,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_cuda: CUDA is not available (no GPU, or a CPU build of torch): nothing to measure")
         return 0
-    if backend.COMPILED_CUDA is None:
-        print("bench_cuda: our CUDA kernels are not loaded (set SYNCBN_CUDA_KERNELS=compiled; "
-              f"{backend.CUDA_BUILD_HINT}); timing torch's kernels only")
+    try:
+        backend.use_kernels(cuda="compiled")
+    except RuntimeError as error:
+        print(f"bench_cuda: {error}; timing torch's kernels only")
     torch.manual_seed(0)
     section = report(time_rows(args.quick, args.min_run_time), args.min_run_time)
     publish(section, not args.no_write, BEGIN, END)

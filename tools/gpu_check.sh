@@ -11,7 +11,7 @@
 #   ranks      NCCL with one rank (made to sync), Gloo with CUDA tensors in two processes on the
 #              GPU, uneven and with an empty rank: tools/gpu_ranks.py
 #   sanitize   compute-sanitizer racecheck and synccheck over a few tests of our CUDA kernels
-#   kernels    our CUDA kernels (SYNCBN_CUDA_KERNELS=compiled): the kernel suite and opcheck
+#   kernels    our CUDA kernels (pytest --cuda-kernels compiled): the kernel suite and opcheck
 #   compile    torch.compile(fullgraph=True) of a lone replica on CUDA, against eager
 #   timing     benchmarks/bench_cuda.py, every operator timed (printed, nothing written)
 #
@@ -68,13 +68,12 @@ step races 60 $PYTEST --timeout 60 tests/test_cuda.py tests/test_cuda_route.py \
     -k "not abn and not opcheck and not captur"
 step graphs 30 $PYTEST --timeout 25 tests/test_cuda.py -k "captur"
 step ranks 55 $PY tools/gpu_ranks.py
-export SYNCBN_CUDA_KERNELS=compiled
+OURS="--cuda-kernels compiled"  # our CUDA kernels serve (tests/conftest.py)
 step sanitize 50 compute-sanitizer --tool racecheck --error-exitcode 9 \
-    $PY -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k "cuda and test_each_op and float32 and not 0"
+    $PY -m pytest -q -x -p no:cacheprovider $OURS tests/test_kernels.py -k "cuda and test_each_op and float32 and not 0"
 step synccheck 25 compute-sanitizer --tool synccheck --error-exitcode 9 \
-    $PY -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k "cuda and test_each_op and float32 and not 0"
-step kernels 65 $PYTEST --timeout 55 -x tests/test_kernels.py tests/test_ops.py tests/test_cuda.py -k cuda
-unset SYNCBN_CUDA_KERNELS
+    $PY -m pytest -q -x -p no:cacheprovider $OURS tests/test_kernels.py -k "cuda and test_each_op and float32 and not 0"
+step kernels 65 $PYTEST $OURS --timeout 55 -x tests/test_kernels.py tests/test_ops.py tests/test_cuda.py -k cuda
 step compile 35 $PY - <<'EOF'
 import copy, torch
 from torch import nn
