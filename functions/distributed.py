@@ -24,9 +24,8 @@ never arrives is covered by the collective's own timeout (``init_process_group(t
 """
 from __future__ import annotations
 
-import zlib
 from datetime import timedelta
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -91,29 +90,38 @@ class ProcessGroupSync:
 
     def next_call(self, group: Any, layer: str) -> ProcessGroupCall:
         if layer != self._label:
-            self._label, self._layer_id = layer, zlib.crc32(layer.encode()) % LAYER_ID_RANGE
+            self._label, self._layer_id = layer, layer_key(layer)
         # no reference to the group is kept: destroy_process_group must be able to free it
         call = ProcessGroupCall(group, layer, self._layer_id, self._calls)
         self._calls += 1
         return call
 
 
-def _dtype_code(dtype: torch.dtype) -> int:
+def layer_key(layer: str) -> int:
+    """A number below :data:`LAYER_ID_RANGE` that tells layers apart across ranks: a polynomial
+    hash of their labels, the same in every process, in plain Python that torch.compile folds
+    into a constant of its graph."""
+    key = 0
+    for character in layer:
+        key = (key * 131 + ord(character)) % LAYER_ID_RANGE
+    return key
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The header's code of an input dtype (-1 for others)."""
     return _DTYPES.index(dtype) if dtype in _DTYPES else -1
 
 
+def stats_header(key: int, number: int, dtype: torch.dtype, failed: bool, shape: Sequence, count: Any) -> list:
+    """The header of a rank's forward row, as both paths send it: its columns (``LAYER`` ...
+    ``SHAPE``) and the count last. ``shape`` and ``count`` may be symbolic under torch.compile."""
+    dims = list(shape)[:SHAPE_DIMS]
+    return [key, number % LAYER_ID_RANGE, dtype_code(dtype), float(failed), len(shape), *dims,
+            *([0] * (SHAPE_DIMS - len(dims))), count]
+
+
 def _stats_row(local: LocalStats, call: ProcessGroupCall, failed: bool) -> Tensor:
-    shape = list(local.input_shape)[:SHAPE_DIMS]
-    header = [
-        call.layer_id,
-        call.number % LAYER_ID_RANGE,
-        _dtype_code(local.input_dtype),
-        float(failed),
-        len(local.input_shape),
-        *shape,
-        *([0] * (SHAPE_DIMS - len(shape))),
-        local.count,
-    ]
+    header = stats_header(call.layer_id, call.number, local.input_dtype, failed, local.input_shape, local.count)
     return OVERLOADS.pack_row(header, local.mean, local.m2)  # the header from pinned memory: no drain
 
 
@@ -262,7 +270,7 @@ def native_ranks(call: ProcessGroupCall, dtype: torch.dtype, device: torch.devic
     are read at once on ``device``). The row layout is this module's (``row_layout()``)."""
     number = call.number % LAYER_ID_RANGE
     world = dist.get_world_size(call.group)
-    return float(call.layer_id), float(number), float(_dtype_code(dtype)), world, checks.reads_at_once(device)
+    return float(call.layer_id), float(number), float(dtype_code(dtype)), world, checks.reads_at_once(device)
 
 
 def row_layout() -> tuple[int, int, int, int, int]:

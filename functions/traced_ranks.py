@@ -3,7 +3,8 @@ through PyTorch's functional collectives (``torch.distributed._functional_collec
 ``_c10d_functional`` operators), so that the exchange is part of the compiled graph instead of a
 graph break. The math is the eager path's (:mod:`functions.sync_batchnorm`):
 
-Forward: each rank's row ``[layer key, C, dtype code, count, mean (C), M2 (C)]`` (float64) goes
+Forward: each rank's row, the eager path's (:func:`functions.distributed.stats_header`: layer
+key, call number 0, dtype code, failed flag 0, shape, count; then mean (C), M2 (C), float64) goes
 through ONE all_gather; every rank judges the headers, merges the rows in rank order with Chan's
 formula and updates the running statistics on the device, in one operator
 (``merge_gathered_stats``: the total count never leaves the device; rows that fail the checks
@@ -13,8 +14,8 @@ count, then ``backward_elemt``; the weight and bias gradients are the rank's own
 averages them).
 
 The checks cannot read the device on the host inside a graph. The header of every rank's row is
-compared on the device, and ``torch._assert_async`` raises where the ranks disagree on the layer,
-the channel count or the dtype, or where the whole batch holds one value per channel (on the CPU
+compared on the device, and ``torch._assert_async`` raises where the ranks disagree on the layer
+or the dtype, or where the whole batch holds one value per channel (on the CPU
 at once; on CUDA as a device-side assert, which ends the process). What the eager path also
 checks and this one does not: the layer's call count (a Python counter would recompile every
 step), and a rank that fails before the collective is not reported to the others (they wait for
@@ -31,22 +32,9 @@ from torch.autograd.function import Function
 
 from . import reference
 from .ops import OVERLOADS
+from .distributed import DTYPE, FAILED, HEADER_SIZE, layer_key, stats_header
 from .reference import STATS_DTYPE, accumulation_dtype, in_dtype, memory_format_of, values_per_channel
 from .stats import Running
-
-HEADER = 3
-"""Leading values of a rank's row, which every rank must agree on: layer key, channels, dtype code."""
-_DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
-
-
-def layer_key(layer: str) -> int:
-    """A number that tells layers apart across ranks (a polynomial hash of their labels, the same
-    in every process), in Python that the compiler folds into a constant of the graph."""
-    key = 0
-    for character in layer:
-        key = (key * 131 + ord(character)) % 2147483647
-    return key
-
 
 def _funcol() -> ModuleType:
     """torch.distributed._functional_collectives, imported at the first traced call (importing it
@@ -57,12 +45,11 @@ def _funcol() -> ModuleType:
 
 
 def _rank_row(x: Tensor, layer: str) -> Tensor:
-    """This rank's row: header, count, mean and M2 (float64)."""
+    """This rank's row, as the eager path's (:func:`functions.distributed.stats_header`), at call
+    number 0 (a Python counter would recompile every step)."""
     mean, m2 = OVERLOADS.local_stats(x)
-    header = torch.tensor(
-        [layer_key(layer), x.size(1), _DTYPE_CODES[x.dtype], values_per_channel(x)], dtype=STATS_DTYPE, device=x.device
-    )
-    return torch.cat([header, mean, m2])
+    header = stats_header(layer_key(layer), 0, x.dtype, False, x.shape, values_per_channel(x))
+    return torch.cat([torch.tensor(header, dtype=STATS_DTYPE, device=x.device), mean, m2])
 
 
 def _gathered_stats(x: Tensor, group, layer: str, running: Running) -> tuple[Tensor, Tensor, Tensor]:
@@ -73,11 +60,11 @@ def _gathered_stats(x: Tensor, group, layer: str, running: Running) -> tuple[Ten
     world = dist.get_world_size(group)
     rows = _funcol().all_gather_tensor(row, 0, group).view(world, row.numel())
     with torch.no_grad():
-        total, mean, var, valid = OVERLOADS.merge_gathered_stats(rows, HEADER + 1, HEADER, None, *running)
+        total, mean, var, valid = OVERLOADS.merge_gathered_stats(rows, HEADER_SIZE, DTYPE + 1, FAILED, *running)
     torch._assert_async(
         valid,
-        f"{layer}: the ranks disagree on the layer, its channels or its dtype, or the whole batch holds "
-        "one value per channel (checked on the device under torch.compile)",
+        f"{layer}: the ranks disagree on the layer or its dtype, or the whole batch holds one value "
+        "per channel (checked on the device under torch.compile)",
     )
     return total, mean, var
 

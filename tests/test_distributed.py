@@ -592,6 +592,25 @@ def test_compiled_inplace_abn(rank: int, world: int) -> None:
         train_against_full_batch(conv_abn_2d, [5, 0], (3, 3, 3), make_ours=in_place, steps=2, compiled=compile_fullgraph())
 
 
+@across_processes(2)
+def test_compiled_ranks_judge_the_eager_rows(rank: int, world: int) -> None:
+    # the traced path sends the eager path's row (functions.distributed.stats_header): a rank at
+    # another layer, or with another dtype, fails the device's check and updates nothing
+    from syncbn.functions import distributed, traced_ranks
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    row = traced_ranks._rank_row(x, "layer")
+    header = distributed.stats_header(distributed.layer_key("layer"), 0, x.dtype, False, x.shape, 3)
+    assert row[: distributed.HEADER_SIZE].tolist() == [float(v) for v in header]
+    first, second = NN.SyncBatchNorm1d(4).double(), NN.SyncBatchNorm1d(4).double()
+    first.layer_name, second.layer_name = "first", "second"
+    layer = torch.compile(first if rank == 0 else second, fullgraph=True, backend="eager")
+    with pytest.raises(RuntimeError, match="the ranks disagree on the layer or its dtype"):
+        layer(x)
+    assert int(first.num_batches_tracked) == int(second.num_batches_tracked) == 0
+    torch._dynamo.reset()
+
+
 @across_processes(4)
 def test_compiled_subgroups(rank: int, world: int) -> None:
     group = NN.consecutive_rank_groups(2)
