@@ -38,6 +38,8 @@ from typing import Callable, Protocol
 import torch
 from torch import Tensor
 
+from . import torch_internals
+
 CHECKS_ENV = "SYNCBN_CHECKS"
 MODES = ("layer", "step")
 MAX_PENDING = 1024
@@ -153,7 +155,7 @@ def defer_read(host: Tensor, ready: Ready | None, explain: Explain, valid: Tenso
     """Keep a verdict already on its way to host memory (``host``, and ``valid``, the device's
     judgement of it, where given), to read once ``ready`` has passed (None: readable now). The
     native path (src/sync_batch_norm.cpp) makes the copies and the event itself and calls this."""
-    in_backward = torch._C._current_graph_task_id() != -1
+    in_backward = torch_internals.current_graph_task_id() != -1
     with _lock:
         _pending.append(_Deferred(host, ready, explain, in_backward, valid))
         overflow = _pending.popleft() if len(_pending) > MAX_PENDING else None
@@ -168,7 +170,7 @@ def read_when_backward_ends() -> None:
     synchronized layer's backward; nothing where none is pending)."""
     if not _pending:
         return
-    task = torch._C._current_graph_task_id()
+    task = torch_internals.current_graph_task_id()
     with _lock:
         if task == -1 or task in _read_at_end_of:
             return
@@ -182,7 +184,7 @@ def read_when_backward_ends() -> None:
             last_forward = max((i for i, check in enumerate(_pending) if not check.backward), default=-1)
         _read_pending(waits=last_forward + 1)
 
-    torch.autograd.Variable._execution_engine.queue_callback(read)
+    torch_internals.at_backward_end(read)
 
 
 def poll() -> None:

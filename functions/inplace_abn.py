@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import Function
 
-from . import checks, devices, reference
+from . import checks, devices, reference, torch_internals
 from .ops import OVERLOADS
 from .reference import accumulation_dtype, in_dtype, memory_format_of, values_per_channel
 from .reference_abn import ABN_ACTIVATIONS
@@ -168,7 +168,7 @@ def _held_by_this_backward_alone(grad: Tensor, probing: bool = False) -> bool:
     (no hook or user kept it, no ``.grad`` holds it, no view, its storage its own), so that the
     input gradient may be written over it; never under torch.compile or torch.func (no eager
     references to count there)."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if torch.compiler.is_compiling() or torch_internals.functorch_transforms_active():
         return False
     references = sys.getrefcount(grad)  # the probe's backward calls this as ours does
     if probing:
@@ -302,7 +302,7 @@ def inplace_abn(
         raise ValueError(f"{layer}: activation must be one of {ABN_ACTIVATIONS}, got {activation!r}")
     if not training and (running_mean is None or running_var is None):
         raise ValueError(f"{layer}: fixed statistics (training=False) need running_mean and running_var")
-    if not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() or torch.is_inference_mode_enabled()):
+    if not (torch.compiler.is_compiling() or torch_internals.functorch_transforms_active() or torch.is_inference_mode_enabled()):
         _sole_references()  # measured once, here rather than inside a backward
     return InPlaceABNFunction.apply(
         x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, activation,

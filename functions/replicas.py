@@ -33,9 +33,9 @@ import weakref
 from typing import Any, Callable, Iterable, Sequence
 
 from torch import nn
-from torch.nn.parallel.replicate import replicate as _torch_replicate
 
-from . import backend
+from . import backend, torch_internals
+from .torch_internals import torch_replicate_call
 
 TIMEOUT_ENV = "SYNCBN_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0
@@ -275,24 +275,6 @@ def replicas_in_order(module: nn.Module, count: int) -> list[nn.Module]:
     return replicas
 
 
-_REPLICATE_CODE = _torch_replicate.__code__
-
-
-def torch_replicate_call(max_depth: int = 8) -> tuple[int | None, nn.Module | None]:
-    """``(j, network)`` of torch's ``replicate(network, ...)`` when it is the caller (a few frames
-    up, through ``_replicate_for_data_parallel`` overrides): the replica index of its loop and
-    the root module it replicates; else ``(None, None)``."""
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            break
-        if frame.f_code is _REPLICATE_CODE:
-            j, network = frame.f_locals.get("j"), frame.f_locals.get("network")
-            return (j if isinstance(j, int) else None), (network if isinstance(network, nn.Module) else None)
-        frame = frame.f_back
-    return None, None
-
-
 def release_rounds_on_failure(root: nn.Module) -> None:
     """Make every replica of ``root`` (a module that torch's ``replicate()`` replicates, as stock
     ``nn.DataParallel`` does) break the rounds of its synchronized layers when its forward
@@ -301,7 +283,7 @@ def release_rounds_on_failure(root: nn.Module) -> None:
     their timeout. One forward hook, ``always_call=True``, on ``root``, whose replicas share it
     (``replicate()`` copies a module's ``__dict__`` shallowly), and which a deep copy or a
     pickle of ``root`` keeps; registered once per root."""
-    if not any(hook is _break_rounds_if_raised for hook in root._forward_hooks.values()):
+    if not torch_internals.has_forward_hook(root, _break_rounds_if_raised):
         root.register_forward_hook(_break_rounds_if_raised, always_call=True)
 
 

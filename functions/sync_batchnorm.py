@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.autograd.function import Function
 from torch.nn import functional as F
 
-from . import backend, checks, devices, distributed, reference  # noqa: F401  (backend: registers the kernels)
+from . import backend, checks, devices, distributed, reference, torch_internals  # noqa: F401  (backend: registers the kernels)
 from .ops import OVERLOADS
 from .reference import in_dtype, memory_format_of, values_per_channel
 from .replicas import ReplicaSyncError
@@ -244,18 +244,14 @@ def _backward_every_replica(
     return results
 
 
-_BASE_APPLY = vars(torch._C._FunctionBase)["apply"]
-
-
 def apply_function(function: type[Function], *args):
     """``function.apply(*args)`` with every argument given. In eager mode outside torch.func
     transforms this skips what ``Function.apply`` does for Functions with ``setup_context`` on
     every call (an ``inspect.signature`` binding of default arguments: about 100 us, more than a
     small layer's kernels); torch.compile and torch.func get ``apply`` itself."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if torch.compiler.is_compiling() or torch_internals.functorch_transforms_active():
         return function.apply(*args)
-    unwrap = torch._C._functorch.unwrap_if_dead
-    return _BASE_APPLY.__get__(None, function)(*(unwrap(a) if isinstance(a, Tensor) else a for a in args))
+    return torch_internals.apply_without_binding(function, *args)
 
 
 def batch_norm_with_batch_stats(ctx, input: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None) -> Tensor:
@@ -353,7 +349,7 @@ def native_serves() -> bool:
     """Whether :func:`native_sync_batch_norm` serves the synchronized calls: the compiled module is
     loaded (:data:`functions.backend.NATIVE_ROUNDS`) and no torch.func transform is active (they
     need the autograd Function)."""
-    return backend.NATIVE_ROUNDS is not None and not torch._C._are_functorch_transforms_active()
+    return backend.NATIVE_ROUNDS is not None and not torch_internals.functorch_transforms_active()
 
 
 def native_sync_batch_norm(

@@ -46,7 +46,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 from torch import Tensor
 
-from . import checks, devices, distributed, reference, stats
+from . import checks, devices, distributed, reference, stats, torch_internals
 from .distributed import ProcessGroupCall, ProcessGroupSync, all_gather_stats, all_reduce_sums, report_failure
 from .replicas import ReplicaCall, ReplicaHandle
 from .stats import LocalStats, Running, update_running_stats
@@ -204,7 +204,7 @@ class Synchronizer:
         """This replica failed during the call: release the other replicas of its round, and,
         where this process has not joined the forward's collective yet, tell the other ranks.
         Checkpoint's stop of a recomputation is control flow, not a failure."""
-        if type(error).__name__ == "_StopRecomputationError":  # torch.utils.checkpoint's, private
+        if torch_internals.is_checkpoint_stop(error):
             return
         if self.replica_call is not None:
             self.replica_call.round.abort(error, self.replica_call.index)

@@ -23,26 +23,17 @@ the process group's timeout).
 """
 from __future__ import annotations
 
-from types import ModuleType
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import Function
 
-from . import reference
+from . import reference, torch_internals
 from .ops import OVERLOADS
 from .distributed import DTYPE, FAILED, HEADER_SIZE, layer_key, stats_header
 from .reference import STATS_DTYPE, accumulation_dtype, in_dtype, memory_format_of, values_per_channel
 from .stats import Running
-
-def _funcol() -> ModuleType:
-    """torch.distributed._functional_collectives, imported at the first traced call (importing it
-    with the library would load the compiler stack, which eager users never need)."""
-    from torch.distributed import _functional_collectives
-
-    return _functional_collectives
-
 
 def _rank_row(x: Tensor, layer: str) -> Tensor:
     """This rank's row, as the eager path's (:func:`functions.distributed.stats_header`), at call
@@ -58,7 +49,7 @@ def _gathered_stats(x: Tensor, group, layer: str, running: Running) -> tuple[Ten
     where the checks pass: (total count (0-dim), mean, biased variance), float64."""
     row = _rank_row(x, layer)
     world = dist.get_world_size(group)
-    rows = _funcol().all_gather_tensor(row, 0, group).view(world, row.numel())
+    rows = torch_internals.functional_collectives().all_gather_tensor(row, 0, group).view(world, row.numel())
     with torch.no_grad():
         total, mean, var, valid = OVERLOADS.merge_gathered_stats(rows, HEADER_SIZE, DTYPE + 1, FAILED, *running)
     torch._assert_async(
@@ -92,7 +83,7 @@ class TracedSyncFunction(Function):
             _, g, sum_dy, sum_dy_xmu = OVERLOADS.backward_affine_act(
                 dy, x, mean, invstd, weight, bias, residual, ctx.negative_slope, False, True, True
             )
-        sums = _funcol().all_reduce(torch.cat([sum_dy, sum_dy_xmu]), "sum", ctx.group)
+        sums = torch_internals.functional_collectives().all_reduce(torch.cat([sum_dy, sum_dy_xmu]), "sum", ctx.group)
         total_dy, total_dy_xmu = sums.split(x.size(1))
         total_dy, total_dy_xmu, count = reference.sums_per_value(total_dy, total_dy_xmu, total)
         grad_input = OVERLOADS.backward_elemt(g, x, mean, invstd, weight, total_dy, total_dy_xmu, count)
@@ -144,7 +135,7 @@ class TracedInPlaceABNFunction(Function):
         y, invstd, weight, bias, total = ctx.saved_tensors
         dy = grad_output.contiguous(memory_format=memory_format_of(y))
         sum_dz, sum_xhat_dz = OVERLOADS.abn_backward_reduce(y, dy, weight, bias, *ctx.act)
-        sums = _funcol().all_reduce(torch.cat([sum_dz, sum_xhat_dz]), "sum", ctx.group)
+        sums = torch_internals.functional_collectives().all_reduce(torch.cat([sum_dz, sum_xhat_dz]), "sum", ctx.group)
         total_dz, total_xhat_dz = sums.split(y.size(1))
         total_dz, total_xhat_dz, count = reference.sums_per_value(total_dz, total_xhat_dz, total)
         grad_input = OVERLOADS.abn_backward_elemt(y, dy, invstd, weight, bias, *ctx.act, total_dz, total_xhat_dz, count)

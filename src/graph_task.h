@@ -5,7 +5,7 @@
 // replica until its timeout. torch keeps that mark in GraphTask::has_error_ and exports no
 // accessor for it, only accessors of the current task's members; the task is found from one of
 // them (its address, less the member's offset in the struct of the headers built against;
-// tests/test_replicas.py checks the result against another exported accessor).
+// tests/test_torch_internals.py checks the result against another exported accessor).
 #pragma once
 
 #include <torch/csrc/autograd/graph_task.h>

@@ -572,52 +572,6 @@ def test_failure_inside_the_layer_backward_releases_the_others() -> None:
     assert isinstance(results[0], ReplicaSyncError) and "replica 1 failed: RuntimeError" in str(results[0])
 
 
-@pytest.mark.skipif(backend.NATIVE_ROUNDS is None, reason="the native meetings are not loaded")
-@pytest.mark.parametrize("retain_graph", [False, True])
-def test_the_native_meetings_find_the_backward_pass_they_wait_in(retain_graph: bool) -> None:
-    # a backward waiter asks whether its graph task failed on another device's thread
-    # (src/graph_task.h finds the task from one exported accessor of its members): what it reads
-    # there agrees with what torch says of the same task, and outside a backward there is none
-    seen = []
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 1
-
-        @staticmethod
-        def backward(ctx, grad):
-            seen.append(backend.NATIVE_ROUNDS.current_backward_pass())
-            return grad
-
-    assert backend.NATIVE_ROUNDS.current_backward_pass() is None
-    Probe.apply(torch.ones(2, requires_grad=True)).sum().backward(retain_graph=retain_graph)
-    assert seen == [(False, retain_graph)]
-
-
-def test_torch_replicate_still_has_the_locals_that_round_detection_reads() -> None:
-    # torch_replicate_call reads replicate()'s locals `j` (the replica index of its loop over
-    # devices) and `network` (the root it replicates); a torch that renamed `j` would make every
-    # round start by membership alone (a failed step's surviving replicas could then join the
-    # next step's round), one that renamed `network` would leave a failed replica's mates waiting
-    from torch.nn.parallel.replicate import replicate
-
-    from syncbn.functions.replicas import torch_replicate_call
-
-    assert {"j", "network"} <= set(replicate.__code__.co_varnames)
-    calls: list = []
-
-    class Probe(nn.Module):
-        def _replicate_for_data_parallel(self):
-            calls.append(torch_replicate_call())
-            return super()._replicate_for_data_parallel()
-
-    root = nn.Sequential(Probe(), nn.Linear(2, 2))
-    stock_replicas(root, 3)
-    assert calls == [(0, root), (1, root), (2, root)]
-    assert torch_replicate_call() == (None, None)  # not called from replicate()
-
-
 def test_replicas_in_order_open_a_round_at_index_0_while_the_last_rounds_replicas_live() -> None:
     # ThreadedDataParallel's replication says each replica's index (REPLICATING): replica 0 opens
     # a new round even where the last step's replicas are still alive (a traceback can keep them),

@@ -1,0 +1,82 @@
+"""Every private part of torch that the library touches, in one place, each with a test
+(``tests/test_torch_internals.py``) that checks it still means what we read it as on the
+installed torch, for the versions in :data:`CHECKED_TORCH_VERSIONS`.
+
+The native side reads one more (``src/graph_task.h``: a backward pass's ``GraphTask`` from the
+exported ``get_current_graph_task_nodes_in_graph``), checked by
+``tests/test_torch_internals.py::test_the_native_meetings_find_the_backward_pass_they_wait_in``.
+"""
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import Function
+from torch.nn.parallel.replicate import replicate as _torch_replicate
+
+CHECKED_TORCH_VERSIONS = ("2.13", "2.14")
+"""The torch versions (major.minor) whose internals the tests were read against."""
+
+_REPLICATE_CODE = _torch_replicate.__code__
+_BASE_APPLY = vars(torch._C._FunctionBase)["apply"]
+
+
+def torch_replicate_call(max_depth: int = 8) -> tuple[int | None, nn.Module | None]:
+    """``(j, network)`` of torch's ``replicate(network, ...)`` when it is the caller (a few frames
+    up, through ``_replicate_for_data_parallel`` overrides): the replica index of its loop and
+    the root module it replicates; else ``(None, None)``. torch says neither to the replicas."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            break
+        if frame.f_code is _REPLICATE_CODE:
+            j, network = frame.f_locals.get("j"), frame.f_locals.get("network")
+            return (j if isinstance(j, int) else None), (network if isinstance(network, nn.Module) else None)
+        frame = frame.f_back
+    return None, None
+
+
+def has_forward_hook(module: nn.Module, hook: Callable) -> bool:
+    """Whether ``hook`` is registered as a forward hook of ``module`` (torch has no public query)."""
+    return any(registered is hook for registered in module._forward_hooks.values())
+
+
+def current_graph_task_id() -> int:
+    """The running backward pass's id on this thread, -1 outside one."""
+    return torch._C._current_graph_task_id()
+
+
+def at_backward_end(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward pass ends (on its thread)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def functorch_transforms_active() -> bool:
+    """Whether a torch.func transform (vmap, grad, jvp) is running."""
+    return torch._C._are_functorch_transforms_active()
+
+
+def is_checkpoint_stop(error: BaseException) -> bool:
+    """Whether ``error`` is torch.utils.checkpoint's stop of a recomputation (control flow, its
+    class private)."""
+    return type(error).__name__ == "_StopRecomputationError"
+
+
+def apply_without_binding(function: type[Function], *args: Any) -> Any:
+    """``function.apply(*args)`` with every argument given, without what ``Function.apply`` does
+    for Functions with ``setup_context`` on every call (an ``inspect.signature`` binding of the
+    arguments, which costs more than a small layer's kernels). Eager mode outside torch.func
+    transforms only: the caller checks."""
+    unwrap = torch._C._functorch.unwrap_if_dead
+    return _BASE_APPLY.__get__(None, function)(*(unwrap(a) if isinstance(a, Tensor) else a for a in args))
+
+
+def functional_collectives() -> ModuleType:
+    """torch.distributed._functional_collectives (collectives that torch.compile traces),
+    imported at the first call: importing it loads the compiler stack."""
+    from torch.distributed import _functional_collectives
+
+    return _functional_collectives

@@ -1,0 +1,161 @@
+"""The private parts of torch that the library touches (functions/torch_internals.py and
+src/graph_task.h): each still means, on the installed torch, what the library reads it as. A new
+torch minor version fails the first test until these have been read against it."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel.replicate import replicate
+from torch.utils.checkpoint import checkpoint
+
+from helpers import stock_replicas
+from syncbn.functions import backend, torch_internals
+
+
+def test_the_installed_torch_is_one_the_internals_were_checked_against() -> None:
+    version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    assert version in torch_internals.CHECKED_TORCH_VERSIONS, (
+        f"torch {version}: read functions/torch_internals.py and src/graph_task.h against it, then add it"
+    )
+
+
+def test_replicate_still_has_the_locals_that_round_detection_reads() -> None:
+    # replicate()'s `j` (the replica index of its loop over devices) and `network` (the root): a
+    # torch that renamed `j` would make every round start by membership alone, one that renamed
+    # `network` would leave a failed replica's mates waiting for their timeout
+    assert {"j", "network"} <= set(replicate.__code__.co_varnames)
+    calls: list = []
+
+    class Probe(nn.Module):
+        def _replicate_for_data_parallel(self):
+            calls.append(torch_internals.torch_replicate_call())
+            return super()._replicate_for_data_parallel()
+
+    root = nn.Sequential(Probe(), nn.Linear(2, 2))
+    stock_replicas(root, 3)
+    assert calls == [(0, root), (1, root), (2, root)]
+    assert torch_internals.torch_replicate_call() == (None, None)  # not called from replicate()
+
+
+def test_forward_hooks_are_found() -> None:
+    def hook(module, args, result):
+        return None
+
+    layer = nn.Linear(2, 2)
+    assert not torch_internals.has_forward_hook(layer, hook)
+    layer.register_forward_hook(hook, always_call=True)
+    assert torch_internals.has_forward_hook(layer, hook)
+
+
+def test_graph_task_ids_and_the_callback_at_backward_end() -> None:
+    seen: list = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, grad):
+            task = torch_internals.current_graph_task_id()
+            seen.append(task)
+            torch_internals.at_backward_end(lambda: seen.append(("end", task)))
+            return grad
+
+    assert torch_internals.current_graph_task_id() == -1
+    x = torch.ones(2, requires_grad=True)
+    Probe.apply(x).sum().backward()
+    Probe.apply(x).sum().backward()
+    first, second = seen[0], seen[2]
+    assert first != -1 and second != -1 and first != second
+    assert seen == [first, ("end", first), second, ("end", second)]
+
+
+def test_functorch_transforms_are_seen() -> None:
+    seen: list = []
+
+    def f(x):
+        seen.append(torch_internals.functorch_transforms_active())
+        return x.sum()
+
+    f(torch.ones(2))
+    torch.func.vmap(f)(torch.ones(3, 2))
+    torch.func.grad(f)(torch.ones(2))
+    assert seen == [False, True, True]
+
+
+def test_checkpoint_stops_its_recomputation_with_the_error_we_recognise() -> None:
+    errors: list = []
+
+    class Watch(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    def block(x):
+        y = Watch.apply(x).sin()
+        try:
+            return y.cos().exp()
+        except BaseException as error:  # the stop, raised in the recomputation once enough was recomputed
+            errors.append(error)
+            raise
+
+    x = torch.randn(3, requires_grad=True)
+    checkpoint(block, x, use_reentrant=False).sum().backward()
+    assert errors and all(torch_internals.is_checkpoint_stop(error) for error in errors)
+    assert not torch_internals.is_checkpoint_stop(RuntimeError("other"))
+
+
+def test_apply_without_binding_gives_what_apply_gives() -> None:
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(x, factor):
+            return x * factor
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.factor = inputs[1]
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * ctx.factor, None
+
+    x = torch.randn(3, requires_grad=True)
+    y = torch_internals.apply_without_binding(Scale, x, 3.0)
+    torch.testing.assert_close(y, Scale.apply(x, 3.0))
+    assert type(y.grad_fn).__name__ == "ScaleBackward"
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(grad, torch.full((3,), 3.0))
+
+
+def test_functional_collectives_have_what_the_traced_path_calls() -> None:
+    funcol = torch_internals.functional_collectives()
+    assert callable(funcol.all_gather_tensor) and callable(funcol.all_reduce)
+
+
+@pytest.mark.skipif(backend.NATIVE_ROUNDS is None, reason="the native meetings are not loaded")
+@pytest.mark.parametrize("retain_graph", [False, True])
+def test_the_native_meetings_find_the_backward_pass_they_wait_in(retain_graph: bool) -> None:
+    # a backward waiter asks whether its graph task failed on another device's thread
+    # (src/graph_task.h finds the task from one exported accessor of its members): what it reads
+    # there agrees with what torch says of the same task, and outside a backward there is none
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(backend.NATIVE_ROUNDS.current_backward_pass())
+            return grad
+
+    assert backend.NATIVE_ROUNDS.current_backward_pass() is None
+    Probe.apply(torch.ones(2, requires_grad=True)).sum().backward(retain_graph=retain_graph)
+    assert seen == [(False, retain_graph)]
