@@ -74,6 +74,13 @@ def apply_without_binding(function: type[Function], *args: Any) -> Any:
     return _BASE_APPLY.__get__(None, function)(*(unwrap(a) if isinstance(a, Tensor) else a for a in args))
 
 
+def lazy_dynamo_disable(fn: Callable) -> Callable:
+    """``torch.compiler.disable(fn)`` that imports ``torch._dynamo`` at its first call, not now;
+    torch's own, which Dynamo skips without tracing it (a disable made at the first compiling
+    call would be traced, and break the graph at its making as well)."""
+    return torch._disable_dynamo(fn)
+
+
 def functional_collectives() -> ModuleType:
     """torch.distributed._functional_collectives (collectives that torch.compile traces),
     imported at the first call: importing it loads the compiler stack."""

@@ -193,9 +193,10 @@ class ThreadedDataParallel(nn.Module):
         return self._forward_in_threads(inputs, kwargs)
 
     # Dynamo cannot trace threads, and the replicas are new modules at every step (a guard on
-    # them would recompile each step): the threaded step runs eagerly under torch.compile (see
-    # disable_when_compiling below; it also reads tensor versions), and the replicas run in
+    # them would recompile each step): the threaded step runs eagerly under torch.compile (the
+    # decorator below; it also reads tensor versions), and the replicas run in
     # worker threads, which Dynamo does not compile either
+    @disable_when_compiling
     def _forward_in_threads(self, inputs: tuple, kwargs: dict) -> Any:
         cuts: Cuts = {}
         split_inputs, split_kwargs = _scatter_kwargs(inputs, kwargs, self.devices, self.dim, cuts)
@@ -281,6 +282,3 @@ class ThreadedDataParallel(nn.Module):
     def _run_replica(replica: nn.Module, args: tuple, kwargs: dict, device: torch.device, state: ThreadState) -> Any:
         with state.on(device):
             return replica(*args, **kwargs)
-
-
-disable_when_compiling(ThreadedDataParallel, "_forward_in_threads")

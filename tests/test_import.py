@@ -1,6 +1,7 @@
-"""Importing the library: what it loads on top of torch, and a clean exit where it is imported
-after ``init_process_group`` (as training scripts that import their model code in ``main()``
-do). Both in fresh processes."""
+"""Importing the library: what it and an eager step load on top of torch, and a clean exit where
+it is imported after ``init_process_group`` (as training scripts that import their model code in
+``main()`` do), in fresh processes; the eager-only paths under torch.compile, which imports the
+compiler only then."""
 from __future__ import annotations
 
 import os
@@ -40,6 +41,10 @@ sys.exit(3 if world() is not None else 0)  # kept alive: what makes Gloo's teard
 """
 
 
+def compiler_stack(modules: list[str]) -> list[str]:
+    return [name for name in modules if name.split(".")[:2] in [p.split(".")[:2] for p in COMPILER_STACK]]
+
+
 def run_python(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": ROOT}
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=timeout)
@@ -50,33 +55,87 @@ def test_importing_loads_none_of_the_compiler_stack() -> None:
     assert listing.returncode == 0, listing.stderr
     loaded = listing.stdout.split()
     assert "syncbn.modules.nn" in loaded
-    stack = [name for name in loaded if name.split(".")[:2] in [p.split(".")[:2] for p in COMPILER_STACK]]
+    stack = compiler_stack(loaded)
     assert stack == [], f"importing the library loaded {len(stack)} modules of the compiler stack: {stack[:10]}"
 
 
-LATE_COMPILER = """
+EAGER_STEPS = """
 import sys
-import torch
+import torch, torch.nn
 from syncbn import nn as NN
 from syncbn.parallel import ThreadedDataParallel
-eager_only = [(NN.SyncBatchNorm, "_forward_synced"), (ThreadedDataParallel, "_forward_in_threads")]
-marked = lambda: [getattr(getattr(owner, name), "_torchdynamo_disable", False) for owner, name in eager_only]
-print(marked())
-import torch._dynamo  # what torch.compile does on its first call
-print(marked(), any(type(f).__name__ == "_DynamoImport" for f in sys.meta_path))
-from torch._dynamo.utils import counters
-model = ThreadedDataParallel(torch.nn.Sequential(torch.nn.Linear(3, 4), NN.SyncBatchNorm1d(4)), ["cpu"] * 2)
-torch.compile(model)(torch.randn(6, 3)).sum().backward()
-print(sorted({"_forward_in_threads" in reason for reason in counters["graph_break"]}))
+before = set(sys.modules)
+lone = NN.BatchNorm2d(3)
+lone(torch.randn(4, 3, 5, 5, requires_grad=True)).sum().backward()
+model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), NN.BatchNorm2d(4))
+ThreadedDataParallel(model, ["cpu"] * 2)(torch.randn(6, 3, 5, 5, requires_grad=True)).square().sum().backward()
+assert int(lone.num_batches_tracked) == 1 and int(model[1].num_batches_tracked) == 1
+print("\\n".join(sorted(set(sys.modules) - before)))
 """
 
 
-
-def test_the_eager_only_paths_are_disabled_for_the_compiler_once_it_is_imported() -> None:
-    # not before (nothing compiles without torch._dynamo), and as the decorator would after
-    run = run_python(LATE_COMPILER)
+def test_eager_training_steps_load_none_of_the_compiler_stack() -> None:
+    # a lone layer, and two replicas that meet (their exchange and the threaded step are the
+    # paths that torch.compile must not trace): eager calls never import the compiler
+    run = run_python(EAGER_STEPS)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split("\n")[:3] == ["[False, False]", "[True, True] False", "[True]"], run.stdout + run.stderr
+    stack = compiler_stack(run.stdout.split())
+    assert stack == [], f"an eager step loaded {len(stack)} modules of the compiler stack: {stack[:10]}"
+
+
+def test_a_path_disabled_when_compiling_runs_eagerly_in_a_compiled_model() -> None:
+    import torch
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    from syncbn.modules.compiler import disable_when_compiling
+
+    seen = []
+
+    def helper(x):
+        return x.sin()
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return self.eager_part(x.cos()).exp()
+
+        @disable_when_compiling
+        def eager_part(self, x):
+            seen.append(torch.compiler.is_compiling())  # a trace would see True
+            return helper(x) + 1
+
+    model, x = Model(), torch.randn(5)
+    counter = CompileCounter()
+    assert torch.equal(torch.compile(model, backend=counter)(x), model(x))
+    assert seen == [False, False]
+    # cos before the break, exp after: eager_part and helper (recursively disabled) in no graph
+    assert (counter.frame_count, counter.op_count) == (2, 2)
+    explanation = torch._dynamo.explain(Model())(x)
+    assert explanation.graph_break_count == 1, explanation
+    assert "Model.eager_part" in explanation.break_reasons[0].reason, explanation.break_reasons
+
+
+def test_the_eager_only_paths_break_the_graph_under_compile() -> None:
+    # the exchange (here with no one to meet) and the threaded step, each one graph break
+    import torch
+    import torch._dynamo
+
+    from syncbn import nn as NN
+    from syncbn.parallel import ThreadedDataParallel
+
+    layer = NN.SyncBatchNorm2d(3)
+    parallel = ThreadedDataParallel(torch.nn.Sequential(torch.nn.Linear(3, 4), NN.SyncBatchNorm1d(4)), ["cpu"] * 2)
+    cases = {
+        "SyncBatchNorm._forward_synced": (lambda x: layer._forward_synced(x.cos(), None, None, None).exp(), torch.randn(4, 3, 5, 5)),
+        "ThreadedDataParallel._forward_in_threads": (lambda x: parallel(x.cos()).exp(), torch.randn(6, 3)),
+    }
+    for name, (f, x) in cases.items():
+        torch._dynamo.reset()
+        expected = f(x)
+        explanation = torch._dynamo.explain(f)(x)
+        assert explanation.graph_break_count == 1, (name, explanation)
+        assert name in explanation.break_reasons[0].reason, (name, explanation.break_reasons)
+        assert torch.allclose(torch.compile(f, backend="aot_eager")(x), expected, atol=1e-6), name
 
 
 def two_ranks_step_and_exit() -> list[int]:

@@ -133,6 +133,20 @@ def test_apply_without_binding_gives_what_apply_gives() -> None:
     torch.testing.assert_close(grad, torch.full((3,), 3.0))
 
 
+def test_the_lazy_dynamo_disable_imports_the_compiler_only_when_called() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from syncbn.functions import torch_internals\n"
+        "f = torch_internals.lazy_dynamo_disable(lambda x: x + 1)\n"
+        "print('torch._dynamo' in sys.modules, f(torch.ones(1)).item(), 'torch._dynamo' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "2.0", "True"], done.stderr
+
+
 def test_functional_collectives_have_what_the_traced_path_calls() -> None:
     funcol = torch_internals.functional_collectives()
     assert callable(funcol.all_gather_tensor) and callable(funcol.all_reduce)
