@@ -3,7 +3,7 @@ if __name__ == "functions":  # the repository's directory imported by its own na
     raise ImportError("the repository's functions/ is syncbn.functions: import syncbn (from syncbn import nn)")
 from . import ops
 from . import lone_replica
-from .backend import backend_info, backend_name, serves_single_device
+from .backend import backend_info, backend_name, serves_single_device, use_kernels
 from .checks import check_pending
 from .frozen_batchnorm import FrozenBatchNormFunction, frozen_batch_norm
 from .inplace_abn import InPlaceABNFunction, inplace_abn
@@ -23,4 +23,5 @@ __all__ = [
     "resolve_timeout",
     "serves_single_device",
     "sync_batch_norm",
+    "use_kernels",
 ]

@@ -130,6 +130,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_train(
 
 // Registers (on) or unregisters (off) a set of kernels for one dispatch key: they live in a
 // torch::Library whose destruction unregisters them. `impl(library)` makes the impl calls.
+namespace syncbn {
 template <typename Impl>
 void switch_kernels(std::unique_ptr<torch::Library>& library, c10::DispatchKey key, bool on, Impl impl) {
   if (!on) {
@@ -139,3 +140,4 @@ void switch_kernels(std::unique_ptr<torch::Library>& library, c10::DispatchKey k
     impl(*library);
   }
 }
+}  // namespace syncbn

@@ -1,8 +1,9 @@
-"""The build (setup.py): finding the CUDA toolkit the way a user expects, the checks that skip a
-CUDA build that cannot succeed, SYNCBN_CUDA, and an optional extension whose build fails leaving
-the others built (a real compiler error, with small extensions so that it takes seconds). The
-same failure with the real kernels, and an import from outside the repository, are checked by
-tools/check_build.sh in CI."""
+"""The build (setup.py and its helpers in tools/): finding the CUDA toolkit the way a user expects
+(tools/cuda_toolkit.py), the checks that skip a CUDA build that cannot succeed, SYNCBN_CUDA, an
+optional extension whose build fails leaving the others built (a real compiler error, with small
+extensions so that it takes seconds; tools/build_failure.py), and torch's shared C++ runtime in
+every extension (tools/cxx_runtime.py). The same failure with the real kernels, and an import
+from outside the repository, are checked by tools/check_build.sh in CI."""
 from __future__ import annotations
 
 import glob
@@ -23,12 +24,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def load_setup():
     spec = importlib.util.spec_from_file_location("syncbn_setup", os.path.join(ROOT, "setup.py"))
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # for its dataclasses
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)  # setup() itself runs only as __main__
     return module
 
 
-setup_py = load_setup()
+setup_py = load_setup()  # puts tools/ on sys.path, as for the build
+import build_failure  # noqa: E402
+import cuda_toolkit  # noqa: E402
+import cxx_runtime  # noqa: E402
 
 
 def executable(path, text: str) -> str:
@@ -53,9 +57,9 @@ def test_nvcc_is_followed_through_links_and_wrapper_scripts(tmp_path) -> None:
     link = tmp_path / "cuda"
     link.symlink_to(home)
     wrapper = executable(tmp_path / "nvcc", f'#!/bin/sh\nexec {link}/bin/nvcc "$@"\n')
-    assert setup_py.real_nvcc(wrapper) == os.path.join(home, "bin", "nvcc")
+    assert cuda_toolkit.real_nvcc(wrapper) == os.path.join(home, "bin", "nvcc")
     twice = executable(tmp_path / "nvcc2", f"#!/bin/sh\n{wrapper} \"$@\"\n")  # a wrapper of the wrapper
-    assert setup_py.real_nvcc(twice) == os.path.join(home, "bin", "nvcc")
+    assert cuda_toolkit.real_nvcc(twice) == os.path.join(home, "bin", "nvcc")
 
 
 def test_toolkit_from_the_environment_then_from_nvcc(tmp_path, monkeypatch) -> None:
@@ -66,24 +70,24 @@ def test_toolkit_from_the_environment_then_from_nvcc(tmp_path, monkeypatch) -> N
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.delenv("CUDA_PATH", raising=False)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    found = setup_py.find_toolkit()
+    found = cuda_toolkit.find_toolkit()
     assert found.home == home and "nvcc on the PATH" in found.found_by and home in found.found_by
     monkeypatch.setenv("CUDA_PATH", str(tmp_path))
-    assert setup_py.find_toolkit().found_by == "$CUDA_PATH"
+    assert cuda_toolkit.find_toolkit().found_by == "$CUDA_PATH"
     monkeypatch.setenv("CUDA_HOME", home)
-    assert setup_py.find_toolkit() == setup_py.Toolkit(home, "$CUDA_HOME")
+    assert cuda_toolkit.find_toolkit() == cuda_toolkit.Toolkit(home, "$CUDA_HOME")
 
 
 def test_a_cuda_build_that_cannot_succeed_is_detected_before_compiling(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(torch.version, "cuda", None)
-    assert "not a CUDA build" in setup_py.cuda_blocker(None)
+    assert "not a CUDA build" in cuda_toolkit.cuda_blocker(None)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    assert "no CUDA toolkit" in setup_py.cuda_blocker(None)
-    bare = setup_py.Toolkit(fake_toolkit(tmp_path / "bare", with_runtime=False), "$CUDA_HOME")
-    assert "no runtime library (libcudart)" in setup_py.cuda_blocker(bare)
-    monkeypatch.setattr(setup_py, "unsupported_archs", lambda toolkit, archs: ["7.0"])
-    complete = setup_py.Toolkit(fake_toolkit(tmp_path / "complete"), "$CUDA_HOME")
-    assert "cannot build for 7.0" in setup_py.cuda_blocker(complete)
+    assert "no CUDA toolkit" in cuda_toolkit.cuda_blocker(None)
+    bare = cuda_toolkit.Toolkit(fake_toolkit(tmp_path / "bare", with_runtime=False), "$CUDA_HOME")
+    assert "no runtime library (libcudart)" in cuda_toolkit.cuda_blocker(bare)
+    monkeypatch.setattr(cuda_toolkit, "unsupported_archs", lambda toolkit, archs: ["7.0"])
+    complete = cuda_toolkit.Toolkit(fake_toolkit(tmp_path / "complete"), "$CUDA_HOME")
+    assert "cannot build for 7.0" in cuda_toolkit.cuda_blocker(complete)
 
 
 def test_syncbn_cuda_skips_or_requires(monkeypatch) -> None:
@@ -105,7 +109,7 @@ def test_first_error_line_skips_command_lines() -> None:
         /usr/bin/ld: cannot find -lcudart: No such file or directory
         collect2: error: ld returned 1 exit status
     """)
-    assert setup_py.first_error_line(log) == "/usr/bin/ld: cannot find -lcudart: No such file or directory"
+    assert build_failure.first_error_line(log) == "/usr/bin/ld: cannot find -lcudart: No such file or directory"
 
 
 def test_a_failing_optional_extension_leaves_the_others_built(tmp_path) -> None:
@@ -161,11 +165,11 @@ FORMAT_MODULE = textwrap.dedent("""\
 """)
 
 
-@pytest.mark.skipif(setup_py.loaded_cxx_runtime() is None, reason="torch loaded no shared libstdc++ here")
+@pytest.mark.skipif(cxx_runtime.loaded_cxx_runtime() is None, reason="torch loaded no shared libstdc++ here")
 def test_a_compiler_that_links_the_cxx_runtime_statically_still_links_torchs(tmp_path) -> None:
-    # CC and CXX wrap the system's compilers with -static-libstdc++, as the relocated GCC of a
-    # GPU machine did: our link arguments give the extension torch's shared runtime all the
-    # same, and a build without them fails with the reason instead of crashing at run time
+    # CC and CXX wrap the system's compilers with -static-libstdc++, as a relocated GCC does: the
+    # link arguments that setup.py gives every extension give it torch's shared runtime all the
+    # same, and tools/cxx_runtime.py names an extension built without them
     for name, compiler in (("cc", "gcc"), ("cxx", "g++")):
         (tmp_path / name).write_text(f'#!/bin/sh\nexec {compiler} -static-libstdc++ "$@"\n')
         (tmp_path / name).chmod(0o755)
@@ -184,55 +188,75 @@ def test_a_compiler_that_links_the_cxx_runtime_statically_still_links_torchs(tmp
               cmdclass={{"build_ext": syncbn_setup.BuildExtension}})
     """))
     env = {**os.environ, "CC": str(tmp_path / "cc"), "CXX": str(tmp_path / "cxx")}
+    check = [sys.executable, os.path.join(ROOT, "tools", "cxx_runtime.py")]
 
-    def build(**extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "build.py", "build_ext", "--inplace"], cwd=tmp_path,
+    def build(**extra: str) -> str:
+        done = subprocess.run([sys.executable, "build.py", "build_ext", "--inplace", "--force"], cwd=tmp_path,
                               env={**env, **extra}, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr
+        (built,) = (tmp_path / "pkg").glob("fmt*.so")
+        return str(built)
 
     static = build()
-    assert static.returncode != 0 and "carries its own copy of the C++ runtime" in static.stderr, static.stderr
+    assert cxx_runtime.cxx_runtime_definitions(static) != []
+    named = subprocess.run([*check, static], env=env, capture_output=True, text=True, timeout=120)
+    assert named.returncode == 1 and "carries its own copy of the C++ runtime" in named.stderr, named.stderr
     linked = build(LINK_TORCHS_RUNTIME="1")
-    assert linked.returncode == 0, linked.stdout + linked.stderr
-    (built,) = (tmp_path / "pkg").glob("fmt*.so")
-    assert setup_py.cxx_runtime_definitions(str(built)) == []
+    assert cxx_runtime.cxx_runtime_definitions(linked) == []
+    passed = subprocess.run([*check, linked], capture_output=True, text=True, timeout=120)
+    assert passed.returncode == 0, passed.stdout + passed.stderr
     formatted = subprocess.run([sys.executable, "-c", "import torch, pkg.fmt; print(pkg.fmt.format(12345))"],
                                cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert formatted.stdout.strip() == "12345", formatted.stderr
 
 
+def test_every_extension_links_torchs_cxx_runtime(tmp_path, monkeypatch) -> None:
+    # the build does not inspect what it linked, so each extension's link line must name the runtime
+    runtime = cxx_runtime.cxx_runtime_link_args()
+    assert all(arg in setup_py.cpu_extension("DEFAULT").extra_link_args for arg in runtime)
+    home = fake_toolkit(tmp_path / "cuda-13.0")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(setup_py, "cuda_blocker", lambda toolkit: None)
+    monkeypatch.setattr(setup_py, "forget_failure_notes", lambda paths: None)  # the repository's note stays
+    monkeypatch.setattr(setup_py.cpp_extension, "CUDA_HOME", setup_py.cpp_extension.CUDA_HOME)
+    for name, value in (("SYNCBN_CUDA", "auto"), ("CUDA_HOME", home), ("TORCH_CUDA_ARCH_LIST", "9.0")):
+        monkeypatch.setenv(name, value)
+    (cuda,) = setup_py.cuda_extensions()
+    assert all(arg in cuda.extra_link_args for arg in runtime) and cuda.optional
+    assert "--use_fast_math" not in cuda.extra_compile_args["nvcc"] and "-g0" in cuda.extra_compile_args["cxx"]
+
+
 def test_the_built_kernels_use_torchs_cxx_runtime() -> None:
-    if setup_py.loaded_cxx_runtime() is None:
+    if cxx_runtime.loaded_cxx_runtime() is None:
         pytest.skip("torch loaded no shared libstdc++ here")
     built = glob.glob(os.path.join(ROOT, "functions", "_C_*.so"))
     if not built:
         pytest.skip("the kernels are not built in place")
     for path in built:
-        assert setup_py.cxx_runtime_definitions(path) == [], path
+        assert cxx_runtime.cxx_runtime_definitions(path) == [], path
 
 
-@pytest.mark.parametrize(
-    "env, cuda",
-    [
-        ({}, "torch-cuda-ops"),
-        ({"SYNCBN_KERNELS": "reference"}, "reference"),
-        ({"SYNCBN_CUDA_KERNELS": "compiled"}, "compiled-cuda if built"),
-    ],
-)
-def test_backend_info_names_the_cuda_backend_that_the_environment_asks_for(env: dict, cuda: str) -> None:
-    # a fresh interpreter per environment: the backend is chosen once, at import
+def test_a_fresh_interpreter_serves_the_compiled_cpu_kernels_and_torchs_cuda_ops() -> None:
+    # what serves by default, whatever the environment holds; our CUDA kernels only when asked
+    # for with use_kernels, and where they are not built, asking says why
     import json
 
-    code = "import json; from syncbn import backend_info; print(json.dumps(backend_info()))"
-    base = {k: v for k, v in os.environ.items() if not k.startswith("SYNCBN_")}
-    done = subprocess.run([sys.executable, "-c", code], env={**base, **env}, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    code = (
+        "import json; from syncbn import backend_info; from syncbn.functions import use_kernels\n"
+        "info = backend_info()\n"
+        "try:\n    use_kernels(cuda='compiled'); asked = backend_info()['cuda']\n"
+        "except RuntimeError as error:\n    asked = str(error)\n"
+        "print(json.dumps([info, asked]))"
+    )
+    env = {**os.environ, "SYNCBN_KERNELS": "reference", "SYNCBN_CUDA_KERNELS": "compiled"}  # no longer read
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    info = json.loads(done.stdout.strip().splitlines()[-1])
-    if cuda == "compiled-cuda if built":
-        built = importlib.util.find_spec("syncbn.functions._C_cuda") is not None
-        cuda = "compiled-cuda" if built and "cuda_reason" not in info else "torch-cuda-ops"
-        assert built or "cuda_reason" in info, info  # asked for and missing: it says why
-    assert info["cuda"] == cuda, info
-    assert (info["cpu"] == "reference") == ("SYNCBN_KERNELS" in env), info
+    info, asked = json.loads(done.stdout.strip().splitlines()[-1])
+    assert info["cpu"].startswith("compiled-cpu-") and info["cuda"] == "torch-cuda-ops", info
+    if importlib.util.find_spec("syncbn.functions._C_cuda") is not None:
+        assert asked == "compiled-cuda"
+    else:
+        assert "compiled CUDA kernels are not usable" in asked and "_C_cuda" in asked, asked
 
 
 PTXAS_LOG = """\

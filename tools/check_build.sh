@@ -6,7 +6,9 @@
 #     prints one paragraph with the first error, and the import repeats it in backend_info().
 #     torch.version.cuda is set to "13.0" in the build process, the toolkit is a fake one: this
 #     machine has a CPU build of torch, which cannot link CUDA kernels.
-#  2. The installed package, syncbn, imports from outside the repository, with the compiled
+#  2. The kernels built in place use torch's shared C++ runtime, with no copy of their own
+#     (tools/cxx_runtime.py).
+#  3. The installed package, syncbn, imports from outside the repository, with the compiled
 #     kernels, and from a directory that holds a user's own modules/ and functions.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +44,7 @@ paragraph=$(grep "failed to build; the CPU kernels are built" "$WORK/build.log")
 echo "$paragraph" | grep -q "First error: nvcc fatal   : simulated compiler failure" \
   || { echo "$paragraph"; echo "check_build: FAILED: the paragraph lacks the first error" >&2; exit 1; }
 ls functions/_C_*.so > /dev/null || { echo "check_build: FAILED: no CPU kernels in place" >&2; exit 1; }
+"$PYTHON" tools/cxx_runtime.py functions/_C_*.so
 "$PYTHON" - <<'PY'
 import syncbn
 info = syncbn.backend_info()

@@ -51,7 +51,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit; note status, limit a
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-source_hash=$(cat setup.py $(find src -type f | sort) | sha256sum | cut -c1-16)
+source_hash=$(cat setup.py tools/cuda_toolkit.py tools/cxx_runtime.py tools/build_failure.py $(find src -type f | sort) | sha256sum | cut -c1-16)
 if [ -f "$BUILDS/build.tar.gz" ] && [ "$(tar -xzOf "$BUILDS/build.tar.gz" build.hash 2>/dev/null)" = "$source_hash" ]; then
     tar -xzf "$BUILDS/build.tar.gz" -C functions --exclude build.hash
     echo "build rc=0 limit=0s took=0s (carried, $source_hash)" | tee -a "$SUMMARY"
