@@ -27,8 +27,8 @@ backward (the input requires grad, as inside a network) of a tiny (8, 8, 4, 4) f
   ranks' skew between collectives as ours does; every rank runs the same fixed
   number of steps (collectives need all ranks), all contenders taken in turn over rounds (the
   collectives' own time drifts between runs on a VM), the slowest rank's median counts; with the
-  checks read at each layer (CPU tensors' default) and deferred (``SYNCBN_CHECKS=step``, CUDA's
-  default);
+  checks read at each layer (CPU tensors' default) and deferred (CUDA's default, here
+  ``checks.DEFER_ON_HOST``);
 - our own part across processes without the collectives: this process posing as a rank of a
   world of 2 whose collectives cost nothing;
 - the bare exchange: R threads meeting in ``ReplicaRound.exchange`` with a trivial combine;
@@ -292,11 +292,11 @@ def ranks_row(rank: int, world: int, number: int, repeats: int) -> dict:
     samples: dict = {key: [] for key in ("layer", "step", "torch", "placed", "collectives")}
     for _ in range(repeats):
         for mode in ("layer", "step"):
-            os.environ[checks.CHECKS_ENV] = mode
+            checks.DEFER_ON_HOST = mode == "step"
             t = [time_fixed(lambda m=ours[depth]: m(x).sum().backward(), number, 1) for depth in (1, DEEP)]
             checks.check_pending()
             samples[mode].append(per_layer(t[1], t[0]))
-        del os.environ[checks.CHECKS_ENV]
+        checks.DEFER_ON_HOST = False
         for key, models in (("torch", theirs), ("placed", placed)):
             t = [time_fixed(lambda m=models[depth]: m(x).sum().backward(), number, 1) for depth in (1, DEEP)]
             samples[key].append(per_layer(t[1], t[0]))
@@ -321,12 +321,12 @@ def free_collectives_row(min_run_time: float, rounds: int) -> dict[str, float]:
     try:
         result = {}
         for mode in ("layer", "step"):
-            os.environ[checks.CHECKS_ENV] = mode
+            checks.DEFER_ON_HOST = mode == "step"
             timers = {depth: step_of(stack(NN.SyncBatchNorm2d, depth), SHAPE[0]) for depth in (1, DEEP)}
             t = interleaved(timers, min_run_time, rounds)
             checks.check_pending()
             result[mode] = per_layer(t[DEEP], t[1])
-        del os.environ[checks.CHECKS_ENV]
+        checks.DEFER_ON_HOST = False
     finally:
         for patch in patches:
             patch.stop()

@@ -4,21 +4,23 @@ costs nothing.
 A synchronized layer checks at every exchange across processes that the ranks agree (same layer
 and call, same dtype, no rank failed before the exchange, more than one value per channel).
 The verdict is a small tensor made on the collective's device from the gathered data
-(:mod:`functions.distributed`); reading it on the host is free for CPU tensors, but on CUDA it
-is a host synchronization: the GPU runs dry until the host has queued the next work, once per
-layer. ``$SYNCBN_CHECKS`` says when verdicts are read:
+(:mod:`functions.distributed`). One rule says when it is read: where reading it waits for no
+device (a CPU tensor), at once, at the layer; on CUDA, where reading it is a host
+synchronization (the GPU runs dry until the host has queued the next work, once per layer), it
+is deferred:
 
-- ``layer``: at once, at every synchronized layer, which raises at the layer that failed (a host
-  synchronization per layer on CUDA, as ``TORCH_DISTRIBUTED_DEBUG`` trades speed for errors);
-- ``step``: deferred. Each verdict is copied to pinned host memory without waiting, behind an
-  event; every synchronized call reads those whose event has completed (no wait), and the end of
-  each backward through a synchronized layer reads every verdict up to the last forward one
+- each verdict is copied to pinned host memory without waiting, behind an event; every
+  synchronized call reads those whose event has completed (no wait), and the end of each
+  backward through a synchronized layer reads every verdict up to the last forward one
   (waiting only until the GPU has run the forward's exchanges, not the backward's) and the later
   ones that are ready. A verdict is read at the latest at the end of the next such backward, or
-  by :func:`check_pending`;
-- unset (default): ``layer`` for CPU tensors, ``step`` for CUDA tensors.
+  by :func:`check_pending`.
 
-A deferred failure raises the same error as ``layer`` mode would have, later (its message says
+The debug mode ``SYNCBN_CHECKS=layer`` reads every verdict at its layer (a host synchronization
+per layer on CUDA, as ``TORCH_DISTRIBUTED_DEBUG`` trades speed for errors). Under torch.compile
+the same verdict is asserted on the device (:mod:`functions.traced_ranks`).
+
+A deferred failure raises the same error as the debug mode would have, later (its message says
 so); the verdicts pending then are dropped with it (they are most often its consequences).
 Meanwhile the step went on with the statistics as gathered, but a failed exchange changed no
 running statistics (the ``merge_gathered_stats`` operator updates them only where the rows pass
@@ -41,35 +43,35 @@ from torch import Tensor
 from . import torch_internals
 
 CHECKS_ENV = "SYNCBN_CHECKS"
-MODES = ("layer", "step")
+DEFER_ON_HOST = False
+"""Defer host tensors' verdicts too, as a device's (``testkit.paths.deferred_checks``: the
+deferral tested without a GPU)."""
 MAX_PENDING = 1024
 """Deferred verdicts kept at most; beyond, the oldest is read (waiting for it if need be)."""
 
 DEFERRED_NOTE = (
-    f" (found by a deferred check: ${CHECKS_ENV} is unset or 'step', so the verdict was read once "
-    f"the device had run it, at the latest at the end of the next backward; {CHECKS_ENV}=layer "
-    "raises at the layer itself)"
+    " (found by a deferred check: the verdict was read once the device had run it, at the latest "
+    f"at the end of the next backward; {CHECKS_ENV}=layer raises at the layer itself)"
 )
 
 Explain = Callable[[list], BaseException | None]
 """Turns a verdict read on the host into the error it stands for, or None where all is well."""
 
 
-def mode() -> str | None:
-    """``$SYNCBN_CHECKS`` (``layer`` or ``step``), or None: by the tensors' device."""
+def debugging() -> bool:
+    """``$SYNCBN_CHECKS=layer``: every verdict read at its layer, waiting for the device."""
     value = os.environ.get(CHECKS_ENV)
     if not value:  # the usual case, on every synchronized call: nothing more to do
-        return None
-    value = value.strip().lower()
-    if value and value not in MODES:
-        raise ValueError(f"{CHECKS_ENV} must be one of {MODES} (or unset), got {value!r}")
-    return value or None
+        return False
+    if value.strip().lower() != "layer":
+        raise ValueError(f"{CHECKS_ENV} must be 'layer' (or unset), got {value!r}")
+    return True
 
 
 def reads_at_once(device: torch.device) -> bool:
-    """Whether verdicts made on ``device`` are read at the layer (see the module docstring)."""
-    chosen = mode()
-    return chosen == "layer" if chosen is not None else device.type != "cuda"
+    """Whether verdicts made on ``device`` are read at the layer: where reading them waits for
+    no device (host tensors), or in the debug mode; else deferred (see the module docstring)."""
+    return debugging() or (device.type != "cuda" and not DEFER_ON_HOST)
 
 
 class Ready(Protocol):

@@ -20,6 +20,7 @@ from syncbn.functions import backend, checks, devices
 from syncbn.functions import reference as ref
 from syncbn import nn as NN
 from syncbn.modules.parallel import ThreadedDataParallel
+from testkit.paths import deferred_checks
 from testkit import torch_cuda_ops
 from testkit.host_reads import HostReads, allowed
 
@@ -282,20 +283,24 @@ def test_a_threaded_step_reads_nothing_on_the_host(monkeypatch, replicas) -> Non
     assert reads.seen == [], reads.report()
 
 
-def test_checks_mode_from_the_environment(monkeypatch) -> None:
+def test_when_checks_are_read(monkeypatch) -> None:
+    # at once where reading waits for no device; deferred on CUDA; the debug mode reads at once
     monkeypatch.delenv(checks.CHECKS_ENV, raising=False)
     assert checks.reads_at_once(torch.device("cpu")) and not checks.reads_at_once(torch.device("cuda", 0))
     monkeypatch.setenv(checks.CHECKS_ENV, "layer")
-    assert checks.reads_at_once(torch.device("cuda", 0))
-    monkeypatch.setenv(checks.CHECKS_ENV, "step")
-    assert not checks.reads_at_once(torch.device("cpu"))
-    monkeypatch.setenv(checks.CHECKS_ENV, "sometimes")
-    with pytest.raises(ValueError, match="SYNCBN_CHECKS must be one of"):
-        checks.reads_at_once(torch.device("cpu"))
+    assert checks.reads_at_once(torch.device("cuda", 0)) and checks.reads_at_once(torch.device("cpu"))
+    monkeypatch.delenv(checks.CHECKS_ENV)
+    with deferred_checks():
+        assert not checks.reads_at_once(torch.device("cpu"))
+    assert checks.reads_at_once(torch.device("cpu"))
+    for bad in ("step", "sometimes"):
+        monkeypatch.setenv(checks.CHECKS_ENV, bad)
+        with pytest.raises(ValueError, match="SYNCBN_CHECKS must be 'layer'"):
+            checks.reads_at_once(torch.device("cpu"))
 
 
 def test_a_deferred_failure_is_read_at_the_end_of_the_backward(monkeypatch) -> None:
-    monkeypatch.setenv(checks.CHECKS_ENV, "step")
+    monkeypatch.setattr(checks, "DEFER_ON_HOST", True)
 
     def explain(values):
         return RuntimeError("ranks disagree") if values[0] else None
@@ -378,7 +383,8 @@ def test_a_verdict_judged_on_the_device_is_read_only_where_it_fails(monkeypatch)
         checks.verify_judged(torch.tensor(False), verdict, explain)
     # deferred, the flag is read at the end of the step (check_pending here), and the verdict
     # explained only where the flag fails
-    monkeypatch.setenv(checks.CHECKS_ENV, "step")
+    monkeypatch.delenv(checks.CHECKS_ENV)
+    monkeypatch.setattr(checks, "DEFER_ON_HOST", True)
     assert not checks.verify_judged(torch.tensor(True), verdict, explain)
     checks.check_pending()
     assert not checks.verify_judged(torch.tensor(False), verdict, explain)

@@ -12,7 +12,6 @@ Collectives time out after 30 s, so a broken check fails instead of hanging.
 from __future__ import annotations
 
 import copy
-import os
 import traceback
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
@@ -31,6 +30,7 @@ from testkit.collectives import count_collectives
 from testkit.host_reads import HostReads, allowed
 from testkit.local_group import run_local_group
 from testkit.lockstep import assert_agree, train_side_by_side
+from testkit.paths import deferred_checks
 from helpers import randomize_affine
 from syncbn import nn as NN
 from syncbn.modules.parallel import ThreadedDataParallel
@@ -676,23 +676,7 @@ def test_compiled_replicas_inside_ranks_break_the_graph(rank: int, world: int) -
     torch._dynamo.reset()
 
 
-# --- deferred checks (SYNCBN_CHECKS=step, the default for CUDA tensors) -------------------------
-
-
-@contextmanager
-def deferred_checks() -> Iterator[None]:
-    """The checks as on CUDA by default: verdicts kept on the device, read later."""
-    previous = os.environ.get(checks.CHECKS_ENV)
-    os.environ[checks.CHECKS_ENV] = "step"
-    try:
-        yield
-        checks.check_pending()  # nothing left unread (a body that raised leaves them below)
-    finally:
-        checks._pending.clear()  # the next behaviour of this process starts clean
-        if previous is None:
-            del os.environ[checks.CHECKS_ENV]
-        else:
-            os.environ[checks.CHECKS_ENV] = previous
+# --- deferred checks (the default for CUDA tensors; testkit.paths.deferred_checks on the CPU) --------
 
 
 def expect_deferred_error(run: Callable[[], object], error: type, *words: str) -> None:
