@@ -22,7 +22,6 @@ from .sync_batchnorm import apply_function, differentiable_backward
 
 
 class FrozenBatchNormFunction(Function):
-    generate_vmap_rule = True  # the operators have vmap rules (functions/ops.py)
     """Batch norm with fixed statistics (see the module docstring).
 
     ``apply(input, weight, bias, residual, running_mean, running_var, eps, negative_slope)``
@@ -32,6 +31,8 @@ class FrozenBatchNormFunction(Function):
     activation's slope below 0 (ReLU: 0.0). Backward with ``create_graph=True`` differentiates
     the forward written in torch's differentiable ops.
     """
+
+    generate_vmap_rule = True  # the operators have vmap rules (functions/ops.py)
 
     @staticmethod
     def forward(  # type: ignore[override]

@@ -41,7 +41,6 @@ from .synchronization import Synchronizer
 
 
 class SyncBatchNormFunction(Function):
-    generate_vmap_rule = True  # the operators have vmap rules (functions/ops.py)
     """Batch norm with statistics over every replica's batch (see the module docstring).
 
     ``apply(input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
@@ -56,6 +55,8 @@ class SyncBatchNormFunction(Function):
     forward with torch's differentiable ops and differentiates that, for a lone replica; a
     synchronized call raises instead.
     """
+
+    generate_vmap_rule = True  # the operators have vmap rules (functions/ops.py)
 
     @staticmethod
     def forward(  # type: ignore[override]

@@ -23,7 +23,14 @@ if not os.path.isdir(os.path.join(_HERE, "modules")):
     # the repository (or an editable install of it): the two subpackages are its directories
     __path__.append(os.path.dirname(_HERE))  # type: ignore[name-defined]  # noqa: F821
 
+from importlib import metadata as _metadata  # noqa: E402
+
 from . import functional, nn, parallel  # noqa: E402
 from .functions import backend_info  # noqa: E402
 
-__all__ = ["backend_info", "functional", "nn", "parallel"]
+try:
+    __version__ = _metadata.version("syncbn")
+except _metadata.PackageNotFoundError:  # the repository on the path, not installed
+    __version__ = "0+unknown"
+
+__all__ = ["__version__", "backend_info", "functional", "nn", "parallel"]

@@ -261,3 +261,12 @@ def test_one_top_level_package() -> None:
     assert all(p == "syncbn" or p.startswith("syncbn.") for p in packages), packages
     tops = {str(f).split("/")[0] for f in importlib.metadata.distribution("syncbn").files or []}
     assert not {"modules", "functions"} & tops, tops
+
+
+def test_the_version_is_the_projects() -> None:
+    import re
+
+    import syncbn
+
+    pyproject = open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8").read()
+    assert syncbn.__version__ == re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1)
