@@ -63,12 +63,12 @@ def train(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--steps-per-epoch", type=int, default=40)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--classes", type=int, default=5, help="classes of the new task")
-    parser.add_argument("--lr", type=float, default=0.02)
+    parser.add_argument("--epochs", type=int, default=5, help="passes over the synthetic data (default: %(default)s)")
+    parser.add_argument("--steps-per-epoch", type=int, default=40, help="training steps per epoch (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=16, help="images per step (default: %(default)s)")
+    parser.add_argument("--image-size", type=int, default=64, help="height and width of the synthetic images (default: %(default)s)")
+    parser.add_argument("--classes", type=int, default=5, help="classes of the new task (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=0.02, help="SGD learning rate (default: %(default)s)")
     parser.add_argument("--train-bn-affine", action="store_true", help="also train the frozen layers' weight and bias")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: a few seconds on a CPU")
     args = parser.parse_args()

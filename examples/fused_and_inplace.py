@@ -56,10 +56,10 @@ def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--channels", type=int, default=64)
-    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=16, help="images per step (default: %(default)s)")
+    parser.add_argument("--image-size", type=int, default=64, help="height and width of the synthetic images (default: %(default)s)")
+    parser.add_argument("--channels", type=int, default=64, help="channels of the network's blocks (default: %(default)s)")
+    parser.add_argument("--blocks", type=int, default=8, help="residual blocks of the network (default: %(default)s)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: a few seconds on a CPU")
     args = parser.parse_args()
     if args.smoke:

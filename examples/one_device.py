@@ -44,11 +44,11 @@ def synthetic_batch(batch: int, size: int, classes: int, device: torch.device) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--classes", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--steps", type=int, default=200, help="training steps (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=32, help="images per step (default: %(default)s)")
+    parser.add_argument("--image-size", type=int, default=64, help="height and width of the synthetic images (default: %(default)s)")
+    parser.add_argument("--classes", type=int, default=4, help="classes of the synthetic problem (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default: %(default)s)")
     parser.add_argument("--out", default=None, help="where to save the exported program (default: a temporary directory)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: a few seconds on a CPU")
     args = parser.parse_args()

@@ -130,11 +130,11 @@ def spawned(local_rank: int, world: int, port: int, args: argparse.Namespace) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch-per-rank", type=int, default=4)
-    parser.add_argument("--classes", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=0.02)
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a collective gives up")
+    parser.add_argument("--steps", type=int, default=30, help="training steps (default: %(default)s)")
+    parser.add_argument("--batch-per-rank", type=int, default=4, help="images per rank and step (default: %(default)s)")
+    parser.add_argument("--classes", type=int, default=4, help="classes of the synthetic problem (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=0.02, help="SGD learning rate (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a collective gives up (default: %(default)s)")
     parser.add_argument("--nprocs", type=int, default=None, help="processes to start without torchrun (default: GPUs, else 2)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: a few seconds on a CPU")
     args = parser.parse_args()

@@ -52,6 +52,12 @@ def test_help(script: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
     assert exited.value.code in (0, None)
     out = capsys.readouterr().out
     assert "usage:" in out and "--smoke" in out, out
+    # every option says what it is, and every option with a value its default
+    source = (EXAMPLES / script).read_text(encoding="utf-8")
+    for call in re.findall(r"add_argument\((.*)\)", source):
+        assert "help=" in call, f"{script}: an option without a description: {call}"
+        if "default=" in call and "action=" not in call:
+            assert "default" in call.split("help=", 1)[1], f"{script}: the help does not give the default: {call}"
 
 
 def test_every_example_is_tested() -> None:
