@@ -129,14 +129,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_train(
   m.impl("unpack_row", TORCH_FN(syncbn::unpack_row));
 
 // Registers (on) or unregisters (off) a set of kernels for one dispatch key: they live in a
-// torch::Library whose destruction unregisters them. `impl(library)` makes the impl calls.
+// torch::Library whose destruction unregisters them. `impl(library)` makes the impl calls; the
+// registration is recorded at the caller's file and line (what the dispatcher reports).
 namespace syncbn {
 template <typename Impl>
-void switch_kernels(std::unique_ptr<torch::Library>& library, c10::DispatchKey key, bool on, Impl impl) {
+void switch_kernels(std::unique_ptr<torch::Library>& library, c10::DispatchKey key, bool on, Impl impl,
+                    const char* file = __builtin_FILE(), uint32_t line = __builtin_LINE()) {
   if (!on) {
     library.reset();
   } else if (!library) {
-    library = std::make_unique<torch::Library>(torch::Library::IMPL, "syncbn", key, __FILE__, __LINE__);
+    library = std::make_unique<torch::Library>(torch::Library::IMPL, "syncbn", key, file, line);
     impl(*library);
   }
 }
