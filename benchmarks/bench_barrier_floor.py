@@ -46,7 +46,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from bench_cpu import cpu_model, keyed_markers, least_stolen, publish, stolen_text  # noqa: E402
 from bench_sync_overhead import MeetingNoOne, resnet_row  # noqa: E402
-from syncbn.functions.replicas import ReplicaRound, usable_cores  # noqa: E402
+from syncbn.functions.synchronization.replicas import ReplicaRound, usable_cores  # noqa: E402
 
 SRC = os.path.join(ROOT, "src")
 MEETINGS = 34  # the small ResNet's meetings a step: 17 layers, forward and backward

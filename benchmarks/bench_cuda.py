@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch.utils import benchmark
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from syncbn.functions import backend, backend_info  # noqa: E402
+from syncbn.functions import backend_info  # noqa: E402
+from syncbn.functions.operators import backend
 from bench_cpu import Case, publish  # noqa: E402  (benchmarks/ is on the path as a script)
 
 BEGIN, END = "<!-- bench_cuda:begin -->", "<!-- bench_cuda:end -->"

@@ -1,4 +1,4 @@
-"""Is the lone-replica rule (``functions/lone_replica.py``) right on this machine? Which kernels
+"""Is the lone-replica rule (``functions/operators/lone_replica.py``) right on this machine? Which kernels
 should serve a lone CPU replica: ours or torch's batch norm.
 
 For every case (batch or fixed statistics, fused residual + ReLU or not, dtype, layout) and a
@@ -35,7 +35,8 @@ from bench_cpu import (  # noqa: E402
     keep_freed_blocks,
     machine_line,
 )
-from syncbn.functions import backend_name, lone_replica  # noqa: E402
+from syncbn.functions import backend_name  # noqa: E402
+from syncbn.functions.operators import lone_replica
 from syncbn import nn as NN  # noqa: E402
 
 LADDERS = {

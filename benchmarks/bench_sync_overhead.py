@@ -66,11 +66,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from bench_cpu import cpu_model, interleaved_medians, keyed_markers, least_stolen, publish, stolen_text  # noqa: E402
 from bench_toolchain import FIXED_COST_SHAPE, fixed_cost_steps  # noqa: E402
-from syncbn.functions import backend, checks, distributed  # noqa: E402
-from syncbn.functions.replicas import ReplicaRound  # noqa: E402
+from syncbn.functions.operators import backend  # noqa: E402
+from syncbn.functions.synchronization import checks, distributed
+from syncbn.functions.synchronization.replicas import ReplicaRound  # noqa: E402
 from helpers import BasicBlock  # noqa: E402
 import syncbn.modules.batchnorm  # noqa: E402
-import syncbn.functions.replica_threads  # noqa: E402
+import syncbn.functions.synchronization.replica_threads  # noqa: E402
 from syncbn import nn as NN  # noqa: E402
 from syncbn.modules.parallel import ThreadedDataParallel  # noqa: E402
 from testkit.local_group import run_local_group  # noqa: E402
@@ -189,7 +190,7 @@ def resnet_without_thread_shares(replicas: int, min_run_time: float, threads: in
     torch.manual_seed(0)
     timer = resnet_step(small_resnet(), replicas, threads)
     every_thread = functools.partial(backend.set_thread_intra_op_threads, threads)  # workers keep their setting: set it
-    with mock.patch.object(syncbn.functions.replica_threads, "set_thread_intra_op_threads", lambda share: every_thread()):
+    with mock.patch.object(syncbn.functions.synchronization.replica_threads, "set_thread_intra_op_threads", lambda share: every_thread()):
         timer.timeit(3)
         return timer.blocked_autorange(min_run_time=min_run_time).median
 

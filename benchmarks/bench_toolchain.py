@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from bench_cpu import copy_bandwidth_gbs, fused_step, interleaved_medians, machine_line, publish  # noqa: E402
 from bench_lone_replica import routed  # noqa: E402
-from syncbn.functions import lone_replica  # noqa: E402
+from syncbn.functions.operators import lone_replica  # noqa: E402
 from helpers import SmallResNet  # noqa: E402
 from syncbn import nn as NN  # noqa: E402
 
@@ -97,7 +97,7 @@ def report(fixed: list[str], compiled: list[str], bandwidth: float, min_run_time
         "",
         "Fixed cost of one layer, in microseconds, a lone replica (through our kernels: the "
         "`batch_norm_train` operator forward, `backward_reduce` + `backward_elemt` backward; the "
-        "rule picks torch's kernel at this size, see `functions/lone_replica.py`). Medians "
+        "rule picks torch's kernel at this size, see `functions/operators/lone_replica.py`). Medians "
         "over 5 rounds that take the contenders in turn:",
         "",
         "| case | nn.BatchNorm2d, us | ours, us | ours - torch |",

@@ -1,13 +1,13 @@
 """The math and the synchronization of synchronized batch norm (where each behaviour lives: docs/code-map.md)."""
 if __name__ == "functions":  # the repository's directory imported by its own name: a second copy
     raise ImportError("the repository's functions/ is syncbn.functions: import syncbn (from syncbn import nn)")
-from . import ops
-from . import lone_replica
-from .backend import backend_info, backend_name, serves_single_device, use_kernels
-from .checks import check_pending
+from .operators import ops
+from .operators import lone_replica
+from .operators.backend import backend_info, backend_name, serves_single_device, use_kernels
+from .synchronization.checks import check_pending
 from .frozen_batchnorm import FrozenBatchNormFunction, frozen_batch_norm
 from .inplace_abn import InPlaceABNFunction, inplace_abn
-from .replicas import ReplicaSyncError, resolve_timeout
+from .synchronization.replicas import ReplicaSyncError, resolve_timeout
 from .sync_batchnorm import SyncBatchNormFunction, sync_batch_norm
 
 __all__ = [

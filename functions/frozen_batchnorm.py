@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 from torch.autograd.function import Function
 
-from . import reference
-from .ops import OVERLOADS, affine_act_grads
-from .reference import accumulation_dtype, memory_format_of
+from .operators import reference
+from .operators.ops import OVERLOADS, affine_act_grads
+from .operators.reference import accumulation_dtype, memory_format_of
 from .sync_batchnorm import apply_function, differentiable_backward
 
 
@@ -32,7 +32,7 @@ class FrozenBatchNormFunction(Function):
     the forward written in torch's differentiable ops.
     """
 
-    generate_vmap_rule = True  # the operators have vmap rules (functions/ops.py)
+    generate_vmap_rule = True  # the operators have vmap rules (functions/operators/ops.py)
 
     @staticmethod
     def forward(  # type: ignore[override]

@@ -13,9 +13,9 @@ in one exchange with batch statistics; then (``abn_backward_elemt``)
     dx = dz * gamma * invstd                                              (fixed statistics),
 grad_weight = sign(weight) * local sum_xhat_dz (+1 where weight is 0), grad_bias = local sum_dz.
 
-The replicas and ranks meet through the :class:`~functions.synchronization.Synchronizer` as the
+The replicas and ranks meet through the :class:`~functions.synchronization.synchronizer.Synchronizer` as the
 autograd Function of :mod:`functions.sync_batchnorm` does (at the native round, one replica
-doing every replica's work: :meth:`~functions.synchronization.Synchronizer.on_master`), with the same statistics
+doing every replica's work: :meth:`~functions.synchronization.synchronizer.Synchronizer.on_master`), with the same statistics
 (:func:`~functions.sync_batchnorm.normalization_every_replica`) and sums
 (:func:`~functions.sync_batchnorm.global_sums`).
 """
@@ -28,13 +28,15 @@ import torch
 from torch import Tensor
 from torch.autograd.function import Function
 
-from . import checks, devices, reference, torch_internals
-from .ops import OVERLOADS
-from .reference import accumulation_dtype, in_dtype, memory_format_of, values_per_channel
-from .reference_abn import ABN_ACTIVATIONS
+from .synchronization import checks
+from . import devices, torch_internals
+from .operators import reference
+from .operators.ops import OVERLOADS
+from .operators.reference import accumulation_dtype, in_dtype, memory_format_of, values_per_channel
+from .operators.reference_abn import ABN_ACTIVATIONS
 from .stats import LocalStats, Running, check_values_per_channel, merge, update_running_stats
 from .sync_batchnorm import global_sums, normalization_every_replica
-from .synchronization import Synchronizer
+from .synchronization.synchronizer import Synchronizer
 
 
 class _ForwardPart(NamedTuple):

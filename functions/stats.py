@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from . import devices
-from .ops import OVERLOADS
+from .operators.ops import OVERLOADS
 
 
 @dataclass(frozen=True)
@@ -82,5 +82,5 @@ Running = tuple[Tensor | None, Tensor | None, Tensor | None, float | None]
 
 def update_running_stats(running: Running, mean: Tensor, var: Tensor, count: int) -> None:
     """The running statistics' update, once per step on the master (the operator; across ranks
-    it is part of ``merge_gathered_stats``: :func:`functions.distributed.all_gather_stats`)."""
+    it is part of ``merge_gathered_stats``: :func:`functions.synchronization.distributed.all_gather_stats`)."""
     OVERLOADS.update_running_stats(*running, mean, var, count)

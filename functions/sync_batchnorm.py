@@ -16,7 +16,7 @@ over the replicas in one exchange; then
 (DataParallel sums parameter gradients over replicas itself).
 
 How the replicas and ranks exchange (rounds, fences, collectives, failures) is the business of
-the :class:`~functions.synchronization.Synchronizer` that the layer hands in: this module is the
+the :class:`~functions.synchronization.synchronizer.Synchronizer` that the layer hands in: this module is the
 math over the ``torch.ops.syncbn`` operators, on the master for every replica
 (``_forward_every_replica``, ``_backward_every_replica``). Replicas of one process without a
 Where the compiled module is loaded, synchronized calls take the native path instead
@@ -32,12 +32,14 @@ from torch import Tensor
 from torch.autograd.function import Function
 from torch.nn import functional as F
 
-from . import backend, checks, devices, distributed, reference, torch_internals  # noqa: F401  (backend: registers the kernels)
-from .ops import OVERLOADS
-from .reference import in_dtype, memory_format_of, values_per_channel
-from .replicas import ReplicaSyncError
+from .operators import backend, reference  # noqa: F401  (backend: registers the kernels)
+from .synchronization import checks, distributed
+from . import devices, torch_internals
+from .operators.ops import OVERLOADS
+from .operators.reference import in_dtype, memory_format_of, values_per_channel
+from .synchronization.replicas import ReplicaSyncError
 from .stats import LocalStats, Running, check_values_per_channel
-from .synchronization import Synchronizer
+from .synchronization.synchronizer import Synchronizer
 
 
 class SyncBatchNormFunction(Function):
@@ -56,7 +58,7 @@ class SyncBatchNormFunction(Function):
     synchronized call raises instead.
     """
 
-    generate_vmap_rule = True  # the operators have vmap rules (functions/ops.py)
+    generate_vmap_rule = True  # the operators have vmap rules (functions/operators/ops.py)
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -309,7 +311,7 @@ def sync_batch_norm(
     ``num_batches_tracked`` are updated in place, once, by the master replica (index 0):
     ``running = (1 - momentum) * running + momentum * batch`` with the unbiased variance, or
     the cumulative average when ``momentum`` is None. ``sync`` (a
-    :class:`~functions.synchronization.Synchronizer`, which a layer builds for each call) takes
+    :class:`~functions.synchronization.synchronizer.Synchronizer`, which a layer builds for each call) takes
     the statistics over every replica of the process and every rank of its group; without it
     this is an ordinary training-mode batch norm through the same kernels. ``residual`` (z, None: 0) is shaped and
     typed as ``input``; ``act`` is the identity when ``negative_slope`` is None, else
@@ -348,7 +350,7 @@ if backend.NATIVE_ROUNDS is not None:  # the rows' layout, once: the native path
 
 def native_serves() -> bool:
     """Whether :func:`native_sync_batch_norm` serves the synchronized calls: the compiled module is
-    loaded (:data:`functions.backend.NATIVE_ROUNDS`) and no torch.func transform is active (they
+    loaded (:data:`functions.operators.backend.NATIVE_ROUNDS`) and no torch.func transform is active (they
     need the autograd Function)."""
     return backend.NATIVE_ROUNDS is not None and not torch_internals.functorch_transforms_active()
 
@@ -371,10 +373,10 @@ def native_sync_batch_norm(
     """:func:`sync_batch_norm` with ``sync``, in one native call per replica and direction
     (src/sync_batch_norm.cpp): the replica computes its statistics, posts them to its round and
     waits without the GIL; the master merges them (and, with a process group, builds the row,
-    calls back :meth:`~functions.synchronization.Synchronizer.gather_rows` for the all_gather
+    calls back :meth:`~functions.synchronization.synchronizer.Synchronizer.gather_rows` for the all_gather
     and merges the ranks' rows with the running statistics' update); each replica normalizes
     its own input. The backward is a C++ autograd node that meets again (the ranks' all_reduce
-    through :meth:`~functions.synchronization.Synchronizer.reduce_row`). Same arguments, results,
+    through :meth:`~functions.synchronization.synchronizer.Synchronizer.reduce_row`). Same arguments, results,
     errors and timeouts as :func:`sync_batch_norm`; raises :class:`~functions.ReplicaSyncError`
     where the replicas' round broke."""
     call = sync.replica_call

@@ -13,13 +13,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..functions import frozen_batch_norm, sync_batch_norm
 from ..functions.sync_batchnorm import native_serves, native_sync_batch_norm
-from ..functions.traced_ranks import traced_sync_batch_norm
-from ..functions.lone_replica import takes_our_kernels
-from ..functions.distributed import ProcessGroupSync, active_process_group, consecutive_rank_groups
-from ..functions.reference import values_per_channel
+from ..functions.synchronization.traced_ranks import traced_sync_batch_norm
+from ..functions.operators.lone_replica import takes_our_kernels
+from ..functions.synchronization.distributed import ProcessGroupSync, active_process_group, consecutive_rank_groups
+from ..functions.operators.reference import values_per_channel
 from ..functions.stats import check_values_per_channel
-from ..functions.synchronization import Synchronizer, check_not_captured
-from ..functions.replicas import REPLICA_ATTR, ReplicaHandle, RoundTracker, resolve_timeout
+from ..functions.synchronization.synchronizer import Synchronizer, check_not_captured
+from ..functions.synchronization.replicas import REPLICA_ATTR, ReplicaHandle, RoundTracker, resolve_timeout
 
 from .compiler import disable_when_compiling
 
@@ -263,7 +263,7 @@ class SyncBatchNorm(_BatchNorm):
                 return self._forward_traced(input, z, group)
             return self._forward_synced(input, z, handle, group)
         self._check_input(input, z)
-        # torch's own batch norm where ours is not clearly faster (functions/lone_replica.py);
+        # torch's own batch norm where ours is not clearly faster (functions/operators/lone_replica.py);
         # not for the cumulative average (momentum=None), whose factor torch reads on the host (a
         # sync on CUDA, and a value that torch.compile(fullgraph=True) and torch.export cannot
         # trace), and ours does not
@@ -322,7 +322,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def _forward_traced(self, input: Tensor, z: Tensor | None, group: Any) -> Tensor:
         """Ranks alone (no replicas in the process) under torch.compile: the exchange as
-        functional collectives in the graph (:mod:`functions.traced_ranks`), no graph break."""
+        functional collectives in the graph (:mod:`functions.synchronization.traced_ranks`), no graph break."""
         self._check_input(input, z)
         return self._batch_stats(traced_sync_batch_norm, input, z, group=group)
 

@@ -14,10 +14,10 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from ..functions.inplace_abn import inplace_abn
-from ..functions.reference import memory_format_of
-from ..functions.reference_abn import ABN_ACTIVATIONS
-from ..functions.traced_ranks import traced_inplace_abn
-from ..functions.synchronization import Synchronizer
+from ..functions.operators.reference import memory_format_of
+from ..functions.operators.reference_abn import ABN_ACTIVATIONS
+from ..functions.synchronization.traced_ranks import traced_inplace_abn
+from ..functions.synchronization.synchronizer import Synchronizer
 
 from .batchnorm import SyncBatchNorm
 
@@ -155,7 +155,7 @@ class InPlaceABN(ABN):
         return self._inplace(input, None, batch_stats=True)
 
     def _inplace_traced(self, input: Tensor, group: Any) -> Tensor:
-        """Ranks alone under torch.compile: the exchange in the graph (:mod:`functions.traced_ranks`)."""
+        """Ranks alone under torch.compile: the exchange in the graph (:mod:`functions.synchronization.traced_ranks`)."""
         updates = self.track_running_stats
         return traced_inplace_abn(
             input, self.weight, self.bias, self.running_mean if updates else None, self.running_var if updates else None,

@@ -16,11 +16,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..functions.replica_backward import (
+from ..functions.synchronization.replica_backward import (
     GatherWithReplicaBackward, Piece, ReplicaInput, ReplicaRun, gather, record_in_place_writes,
 )
-from ..functions.replica_threads import ThreadState, run_in_threads
-from ..functions.replicas import replica_rounds, replicas_in_order, resolve_timeout
+from ..functions.synchronization.replica_threads import ThreadState, run_in_threads
+from ..functions.synchronization.replicas import replica_rounds, replicas_in_order, resolve_timeout
 
 from .compiler import disable_when_compiling
 from .conversion import name_sync_layers

@@ -1,5 +1,5 @@
 // What the CPU and CUDA kernels share as implementations of the torch.ops.syncbn operators,
-// whose schemas are declared once, in functions/ops.py: the output convention of
+// whose schemas are declared once, in functions/operators/ops.py: the output convention of
 // backward_affine_act, the lone replica's training forward (composed of the other operators),
 // and the registration of one device's kernels.
 #pragma once
@@ -21,7 +21,7 @@ inline at::ScalarType accumulation_type(at::ScalarType dtype) { return dtype == 
 inline bool is_host_vector(const at::Tensor& t) { return t.is_cpu() && t.dim() == 1 && t.is_contiguous(); }
 
 // The layout that full-size outputs take: x's, where x is laid out channels-last and not also
-// contiguous; contiguous otherwise (functions.reference.memory_format_of).
+// contiguous; contiguous otherwise (functions.operators.reference.memory_format_of).
 inline at::MemoryFormat memory_format_of(const at::Tensor& x) {
   if (x.is_contiguous()) return at::MemoryFormat::Contiguous;
   if (x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast)) return at::MemoryFormat::ChannelsLast;
@@ -88,7 +88,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> normalization_stats(const at::Ten
 at::Tensor host_values_on(c10::ArrayRef<double> values, const at::Device& device);
 
 // The float64 row [head, a, b] on a's device (a and b 1-D floating tensors there): what one
-// collective over ranks sends (functions/distributed.py: a forward's header, mean and M2; a
+// collective over ranks sends (functions/synchronization/distributed.py: a forward's header, mean and M2; a
 // backward's identities, sum_dy and sum_dy_xmu). One call instead of a handful of ATen calls;
 // on the host, one pass.
 at::Tensor pack_row(c10::ArrayRef<double> head, const at::Tensor& a, const at::Tensor& b);

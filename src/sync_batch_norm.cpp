@@ -87,7 +87,7 @@ struct Operators {
 };
 
 const Operators& ops() {
-  static const Operators operators;  // looked up once, after functions/ops.py defined them
+  static const Operators operators;  // looked up once, after functions/operators/ops.py defined them
   return operators;
 }
 
@@ -143,7 +143,7 @@ std::pair<at::Tensor, at::Tensor> fetch_pair(const at::Tensor& a, const at::Tens
   return {pair[0], pair[1]};
 }
 
-// A deferred verdict's event, as functions/checks.py reads it (the methods of a torch.cuda.Event
+// A deferred verdict's event, as functions/synchronization/checks.py reads it (the methods of a torch.cuda.Event
 // that it calls): whether the device has run the copies to host memory, and a wait for them.
 struct ReadyEvent {
   Ready event;
@@ -245,7 +245,7 @@ void check_values_per_channel(const std::vector<StatsPart>& parts, int64_t total
   throw std::invalid_argument(text.str());
 }
 
-// The collectives' rows (functions/distributed.py, which sets this once: set_row_layout).
+// The collectives' rows (functions/synchronization/distributed.py, which sets this once: set_row_layout).
 struct RowLayout {
   int64_t header = 0, agreeing = 0, failed = 0, shape_dims = 0, identities = 0;
 };
@@ -255,12 +255,12 @@ RowLayout& row_layout() {
   return layout;
 }
 
-// This process's ranks, as Python holds them (functions.synchronization.Synchronizer), or none.
+// This process's ranks, as Python holds them (functions.synchronization.synchronizer.Synchronizer), or none.
 // The rows are built, merged, unpacked and (read at once, where they pass) judged here; Python is
 // called for the collectives, for the checks where they fail, and, where they are deferred, to
-// queue the verdicts that this copies to host memory (functions/checks.py reads them later). Made
+// queue the verdicts that this copies to host memory (functions/synchronization/checks.py reads them later). Made
 // with the GIL held (the binding), which reads the call's identity (Synchronizer.native:
-// functions.distributed.native_ranks); its calls take the GIL; kept by the backward node and
+// functions.synchronization.distributed.native_ranks); its calls take the GIL; kept by the backward node and
 // released under the GIL.
 class Ranks {
  public:
@@ -287,7 +287,7 @@ class Ranks {
   // (mean, var) over every rank, from this process's (count, mean, M2) of an input of `sizes`:
   // one all_gather of the row [header, mean, M2], the rows merged in rank order with the running
   // statistics' update (where they pass the checks: merge_gathered_stats), as
-  // functions.distributed.all_gather_stats does.
+  // functions.synchronization.distributed.all_gather_stats does.
   std::tuple<at::Tensor, at::Tensor> merge(int64_t count, const at::Tensor& mean, const at::Tensor& m2,
                                            const std::vector<int64_t>& sizes, const MasterCall& call) {
     const auto& layout = row_layout();
@@ -320,7 +320,7 @@ class Ranks {
   }
 
   // (sum_dy, sum_dy_xmu, count) over every rank, as backward_elemt takes them: one all_reduce of
-  // the row [id, id^2, n, n^2, sum_dy, sum_dy_xmu], as functions.distributed.all_reduce_sums.
+  // the row [id, id^2, n, n^2, sum_dy, sum_dy_xmu], as functions.synchronization.distributed.all_reduce_sums.
   std::tuple<at::Tensor, at::Tensor, int64_t> sum(const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu) const {
     const std::vector<double> identities{layer_id_, layer_id_ * layer_id_, number_, number_ * number_};
     const auto row = ops().pack_row.call(identities, sum_dy, sum_dy_xmu);
@@ -337,7 +337,7 @@ class Ranks {
       python().attr("judge_summed")(row);
     }
     auto [total_dy, total_dy_xmu] = ops().unpack_row.call(row, row_layout().identities, sum_dy.scalar_type());
-    if (device_count_.defined()) {  // functions.reference.sums_per_value: the kernel divides by 1
+    if (device_count_.defined()) {  // functions.operators.reference.sums_per_value: the kernel divides by 1
       return {total_dy / device_count_, total_dy_xmu / device_count_, 1};
     }
     return {total_dy, total_dy_xmu, count_};
@@ -347,7 +347,7 @@ class Ranks {
   pybind11::object python() const { return pybind11::reinterpret_borrow<pybind11::object>(sync_); }
 
   // The ranks are at the same call of the same layer iff world * sum(v^2) == sum(v)^2 for the
-  // layer id and the call number (functions.distributed._explain_backward); read at once.
+  // layer id and the call number (functions.synchronization.distributed._explain_backward); read at once.
   bool identities_agree(const at::Tensor& row) const {
     const auto summed = row.narrow(0, 0, 4).cpu();
     const double* v = summed.const_data_ptr<double>();
@@ -771,7 +771,7 @@ void bind_sync_batch_norm(pybind11::module_& m) {
       [](int64_t header, int64_t agreeing, int64_t failed, int64_t shape_dims, int64_t identities) {
         row_layout() = RowLayout{header, agreeing, failed, shape_dims, identities};
       },
-      "The collectives' row layout (functions.distributed.row_layout), set once at import");
+      "The collectives' row layout (functions.synchronization.distributed.row_layout), set once at import");
   py::class_<ReadyEvent>(m, "ReadyEvent", "The event after a deferred verdict's copies to host memory")
       .def("query", &ReadyEvent::query, "Whether the device has run the copies")
       .def("synchronize", &ReadyEvent::synchronize, py::call_guard<py::gil_scoped_release>(),

@@ -2,9 +2,9 @@
 // kernels (src/cuda) are not loaded: torch's SyncBN CUDA ops (batch_norm_stats,
 // batch_norm_elemt, batch_norm_backward_reduce, batch_norm_backward_elemt: one pass over memory
 // each) and the rest composed on ATen. Built into the CPU extension (no nvcc needed) and
-// registered for the CUDA key at run time (set_torch_cuda_ops, from functions/backend.py),
+// registered for the CUDA key at run time (set_torch_cuda_ops, from functions/operators/backend.py),
 // so that a replica thread on the synchronized CUDA route never takes the GIL for an operator.
-// The math is functions/reference.py's, which the tests hold these to (on CPU tensors: every
+// The math is functions/operators/reference.py's, which the tests hold these to (on CPU tensors: every
 // ATen call here has a CPU kernel too). No host read of a device value.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -40,7 +40,7 @@ at::Tensor per_channel(const at::Tensor& v, const at::Tensor& x) {
 at::Tensor laid_out_as(const at::Tensor& y, const at::Tensor& x) { return y.contiguous(memory_format_of(x)); }
 
 // (scale, shift) of y = x * scale + shift in invstd's dtype: scale = invstd * weight,
-// shift = bias - mean * scale (functions.reference.affine_params).
+// shift = bias - mean * scale (functions.operators.reference.affine_params).
 std::pair<at::Tensor, at::Tensor> affine_params(const at::Tensor& mean, const at::Tensor& invstd,
                                                 const OptTensor& weight, const OptTensor& bias) {
   const auto scale = weight && weight->defined() ? invstd * weight->to(invstd.scalar_type()) : invstd;

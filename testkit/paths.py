@@ -1,7 +1,7 @@
 """Which path a synchronized call takes, for the tests that cover both: one native call per
 replica and direction (src/sync_batch_norm.cpp, the default where the compiled module is loaded),
 or the autograd Function in Python (functions/sync_batchnorm.py), whose replicas exchange Python
-objects at the same native meeting (functions.replicas.ReplicaRound.exchange)."""
+objects at the same native meeting (functions.synchronization.replicas.ReplicaRound.exchange)."""
 from __future__ import annotations
 
 import pytest
@@ -9,8 +9,8 @@ import pytest
 import contextlib
 from typing import Iterator
 
-import syncbn.functions.checks as checks
-import syncbn.functions.replicas as replicas
+import syncbn.functions.synchronization.checks as checks
+import syncbn.functions.synchronization.replicas as replicas
 import syncbn.modules.batchnorm as batchnorm
 
 

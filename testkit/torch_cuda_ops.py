@@ -2,7 +2,7 @@
 ``batch_norm_backward_reduce``, ``batch_norm_backward_elemt``) written in plain torch for CPU
 tensors, as their CUDA kernels define them (ATen ``native/cuda/Normalization.cuh``): they have no
 CPU kernels, so this is how the C++ kernels that make them serve our operators on CUDA
-(``src/torch_cuda_ops.cpp``, bound as ``functions.backend.EXTENSION.torch_cuda_ops``) are tested
+(``src/torch_cuda_ops.cpp``, bound as ``functions.operators.backend.EXTENSION.torch_cuda_ops``) are tested
 without a GPU: :func:`emulated` registers these as their CPU kernels, which C++ callers reach
 through the dispatcher. Statistics in the accumulation dtype (float32 for half inputs), invstd 0
 where var and eps are both 0, as torch's ``InvStd``.

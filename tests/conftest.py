@@ -1,5 +1,5 @@
 """The suite tests our kernels: a lone replica takes them (``lone_replica.forced("ours")``)
-wherever they are compiled, whatever the rule of ``functions/lone_replica.py`` would pick, so that
+wherever they are compiled, whatever the rule of ``functions/operators/lone_replica.py`` would pick, so that
 every layer test exercises them; ``tests/test_lone_replica.py`` tests the rule itself (and
 torch's route).
 
@@ -7,7 +7,7 @@ torch's route).
 ``--cuda-kernels compiled`` through our CUDA kernels (``syncbn.functions.use_kernels``)."""
 import pytest
 
-from syncbn.functions import backend, lone_replica
+from syncbn.functions.operators import backend, lone_replica
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 import syncbn.modules.batchnorm
-from syncbn.functions.replicas import ReplicaRound
+from syncbn.functions.synchronization.replicas import ReplicaRound
 from syncbn import nn as NN
 from syncbn.modules.parallel import ThreadedDataParallel
 from testkit.lockstep import assert_agree, state_quantities, train_side_by_side

@@ -1,6 +1,6 @@
 """The compiled CPU kernels of the in-place activated batch norm (src/cpu/inplace_abn.cpp:
 ``abn_forward_``, ``abn_backward_reduce``, ``abn_backward_elemt``) against the pure-PyTorch
-reference (the ``abn_*`` functions of functions/reference.py), called directly: every dtype,
+reference (the ``abn_*`` functions of functions/operators/reference.py), called directly: every dtype,
 activation (leaky_relu, elu, identity), affine (none, positive and negative weights), the
 contiguous and channels_last layouts and a non-contiguous input, sizes with vector tails and
 several pieces and threads, an empty batch; that the forward writes over x in place; that the
@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from syncbn.functions import backend
-from syncbn.functions import reference as ref
-from syncbn.functions import reference_abn as ref_abn
-from syncbn.functions.reference import memory_format_of
+from syncbn.functions.operators import backend
+from syncbn.functions.operators import reference as ref
+from syncbn.functions.operators import reference_abn as ref_abn
+from syncbn.functions.operators.reference import memory_format_of
 
 OPS = torch.ops.syncbn
 pytestmark = pytest.mark.skipif(

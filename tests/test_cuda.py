@@ -19,9 +19,10 @@ import pytest
 import torch
 from torch import nn
 
-from syncbn.functions import backend, devices, sync_batch_norm
-from syncbn.functions import reference as ref
-from syncbn.functions import reference_abn as ref_abn
+from syncbn.functions import devices, sync_batch_norm
+from syncbn.functions.operators import backend
+from syncbn.functions.operators import reference as ref
+from syncbn.functions.operators import reference_abn as ref_abn
 from syncbn import nn as NN
 import test_kernels as kernel_tests  # its tolerances and inputs (tests/ is on the path: pytest.ini)
 from testkit.paths import through_the_function
@@ -435,7 +436,7 @@ def test_a_backward_failing_on_one_device_releases_the_other_devices_thread() ->
     before its layer: loss.backward() raises at once, and the CUDA thread, waiting for replica
     1's sums at the layer, must leave within a few seconds (not its 30 s timeout), so that the
     next backward on the GPU runs."""
-    from syncbn.functions.replicas import replicas_in_order
+    from syncbn.functions.synchronization.replicas import replicas_in_order
     from helpers import run_threads
 
     bn = NN.SyncBatchNorm1d(3, timeout=30).to(DEVICE)
@@ -459,7 +460,7 @@ def test_a_backward_failing_on_one_device_releases_the_other_devices_thread() ->
 
 
 # ---- the in-place activated batch norm's kernels (abn_*, src/cuda/inplace_abn.cu) ----------
-# Each op on CUDA tensors against the reference (functions.reference, run on the same CUDA
+# Each op on CUDA tensors against the reference (functions.operators.reference, run on the same CUDA
 # tensors), and torch.library.opcheck of each on CUDA inputs.
 
 ABN_ACTIVATIONS = [("leaky_relu", 0.01), ("leaky_relu", 0.3), ("elu", 1.0), ("elu", 0.5), ("identity", 0.0)]

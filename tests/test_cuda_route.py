@@ -15,9 +15,11 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import syncbn.functions.replica_threads as replica_threads
-from syncbn.functions import backend, checks, devices
-from syncbn.functions import reference as ref
+import syncbn.functions.synchronization.replica_threads as replica_threads
+from syncbn.functions import devices
+from syncbn.functions.operators import backend
+from syncbn.functions.synchronization import checks
+from syncbn.functions.operators import reference as ref
 from syncbn import nn as NN
 from syncbn.modules.parallel import ThreadedDataParallel
 from testkit.paths import deferred_checks

@@ -23,9 +23,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from syncbn.functions import checks, devices
+from syncbn.functions import devices
+from syncbn.functions.synchronization import checks
 from syncbn.functions.sync_batchnorm import native_serves
-from syncbn.functions.synchronization import Synchronizer
+from syncbn.functions.synchronization.synchronizer import Synchronizer
 from testkit.collectives import count_collectives
 from testkit.host_reads import HostReads, allowed
 from testkit.local_group import run_local_group
@@ -594,9 +595,9 @@ def test_compiled_inplace_abn(rank: int, world: int) -> None:
 
 @across_processes(2)
 def test_compiled_ranks_judge_the_eager_rows(rank: int, world: int) -> None:
-    # the traced path sends the eager path's row (functions.distributed.stats_header): a rank at
+    # the traced path sends the eager path's row (functions.synchronization.distributed.stats_header): a rank at
     # another layer, or with another dtype, fails the device's check and updates nothing
-    from syncbn.functions import distributed, traced_ranks
+    from syncbn.functions.synchronization import distributed, traced_ranks
 
     x = torch.randn(3, 4, dtype=torch.float64)
     row = traced_ranks._rank_row(x, "layer")
@@ -765,7 +766,7 @@ def test_process_group_without_torch_distributed_raises() -> None:
 def test_malformed_gathered_counts_are_explained_as_the_device_judged_them(count: float) -> None:
     """Where merge_gathered_stats finds the rows invalid, the explanation read on the host names
     why, for every reason the device has: here a count no honest rank sends."""
-    from syncbn.functions import distributed
+    from syncbn.functions.synchronization import distributed
     from syncbn.functions.stats import LocalStats
 
     call = distributed.ProcessGroupCall(object(), "SyncBatchNorm2d(2) 'bn'", layer_id=12345, number=0)

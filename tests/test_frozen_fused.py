@@ -12,7 +12,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from syncbn.functions import backend, frozen_batch_norm, serves_single_device
+from syncbn.functions import frozen_batch_norm, serves_single_device
+from syncbn.functions.operators import backend
 from helpers import count_exchanges, randomize_affine
 from syncbn import nn as NN
 from syncbn.modules.parallel import ThreadedDataParallel

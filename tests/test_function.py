@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from syncbn.functions import SyncBatchNormFunction, sync_batch_norm
-from syncbn.functions import reference as ref
+from syncbn.functions.operators import reference as ref
 from syncbn import nn as NN
 from syncbn.modules.parallel import ThreadedDataParallel
 

@@ -1,4 +1,4 @@
-"""Which kernels serve a lone replica (functions/lone_replica.py): the rule routes each input,
+"""Which kernels serve a lone replica (functions/operators/lone_replica.py): the rule routes each input,
 both routes compute what nn.BatchNorm* computes, and the override works."""
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 from torch.nn import functional as F
 
-from syncbn.functions import lone_replica, serves_single_device
-from syncbn.functions.lone_replica import LARGE_INPUT, takes_our_kernels
+from syncbn.functions import serves_single_device
+from syncbn.functions.operators import lone_replica
+from syncbn.functions.operators.lone_replica import LARGE_INPUT, takes_our_kernels
 from helpers import SmallResNet, assert_same_state, randomize_affine
 from syncbn import nn as NN
 from testkit.lockstep import assert_agree, train_side_by_side

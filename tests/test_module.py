@@ -13,7 +13,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from syncbn.functions import lone_replica, serves_single_device
+from syncbn.functions import serves_single_device
+from syncbn.functions.operators import lone_replica
 from helpers import count_exchanges, randomize_affine
 from syncbn import nn as NN
 from syncbn.modules.parallel import ThreadedDataParallel

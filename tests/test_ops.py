@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from syncbn.functions import backend
-from syncbn.functions import reference as ref
-from syncbn.functions.ops import SCHEMAS
+from syncbn.functions.operators import backend
+from syncbn.functions.operators import reference as ref
+from syncbn.functions.operators.ops import SCHEMAS
 from helpers import share_of_a_counting_thread
 
 OPS = torch.ops.syncbn

@@ -384,7 +384,7 @@ class ThreadsSeen(nn.Module):
 def test_cpu_replicas_share_the_callers_intra_op_threads(replicas: int) -> None:
     # R replica threads, each starting a team of all the caller's threads, would put R x threads
     # on the cores; each takes its share instead, and the caller's own setting stays as it was
-    from syncbn.functions import backend
+    from syncbn.functions.operators import backend
 
     if backend.EXTENSION is None:
         pytest.skip("the per-thread setting needs the compiled module")

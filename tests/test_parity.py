@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from syncbn.functions import backend
+from syncbn.functions.operators import backend
 from helpers import randomize_affine, train_in_lockstep
 from syncbn import nn as NN
 from syncbn.modules.parallel import ThreadedDataParallel

@@ -13,9 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from syncbn.functions import ReplicaSyncError, backend
-from syncbn.functions import replicas
-from syncbn.functions.replicas import ReplicaRound, resolve_timeout
+from syncbn.functions import ReplicaSyncError
+from syncbn.functions.operators import backend
+from syncbn.functions.synchronization import replicas
+from syncbn.functions.synchronization.replicas import ReplicaRound, resolve_timeout
 from helpers import replayed_replicas, run_threads, share_of_a_counting_thread, stock_replicas
 from syncbn import nn as NN
 from syncbn.modules.parallel import ThreadedDataParallel
@@ -576,7 +577,7 @@ def test_replicas_in_order_open_a_round_at_index_0_while_the_last_rounds_replica
     # ThreadedDataParallel's replication says each replica's index (REPLICATING): replica 0 opens
     # a new round even where the last step's replicas are still alive (a traceback can keep them),
     # which the membership rule alone would let them join; the index is cleared afterwards
-    from syncbn.functions.replicas import REPLICATING, replicas_in_order
+    from syncbn.functions.synchronization.replicas import REPLICATING, replicas_in_order
 
     bn = NN.SyncBatchNorm2d(3)
     kept = replicas_in_order(bn, 2)  # alive, and their round never sealed

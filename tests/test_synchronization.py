@@ -1,4 +1,4 @@
-"""functions.synchronization.Synchronizer on its own: who takes part in the collectives, the two
+"""functions.synchronization.synchronizer.Synchronizer on its own: who takes part in the collectives, the two
 exchanges within a process, and what a failure does (release the round; tell the other ranks
 only while this process has not joined the forward's collective). The collectives themselves
 are stubbed here; tests/test_distributed.py runs them in real processes."""
@@ -8,13 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-import syncbn.functions.synchronization as synchronization
+import syncbn.functions.synchronization.synchronizer as synchronization
 from syncbn.functions import ReplicaSyncError
-from syncbn.functions import reference as ref
+from syncbn.functions.operators import reference as ref
 from syncbn.functions import stats
-from syncbn.functions.distributed import ProcessGroupSync
-from syncbn.functions.replicas import ReplicaHandle, ReplicaRound
-from syncbn.functions.synchronization import Synchronizer
+from syncbn.functions.synchronization.distributed import ProcessGroupSync
+from syncbn.functions.synchronization.replicas import ReplicaHandle, ReplicaRound
+from syncbn.functions.synchronization.synchronizer import Synchronizer
 from helpers import run_threads
 
 CPU = torch.device("cpu")

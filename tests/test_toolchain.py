@@ -234,7 +234,7 @@ DDP_OWN_BREAKS = ("DistributedDataParallel._inside_ddp_forward", "set_runtime_st
 
 
 def test_ddp_under_compile_matches_eager_with_no_break_at_our_layers() -> None:
-    # torch.compile(DDP(model)): the exchange across ranks is in the graph (functions/traced_ranks.py)
+    # torch.compile(DDP(model)): the exchange across ranks is in the graph (functions/synchronization/traced_ranks.py)
     from testkit.local_group import run_local_group
 
     for differences, breaks_at_ours, others in run_local_group(compiled_ddp_worker, 2, timeout_s=60):

@@ -12,14 +12,14 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from syncbn.functions import lone_replica
+from syncbn.functions.operators import lone_replica
 from helpers import assert_same_state, randomize_affine
 from syncbn import nn as NN
 
 
 @pytest.fixture(autouse=True, params=["ours", "torch"])
 def lone_route(request: pytest.FixtureRequest) -> str:
-    """Every behaviour holds through both routes of a lone replica (functions/lone_replica.py)."""
+    """Every behaviour holds through both routes of a lone replica (functions/operators/lone_replica.py)."""
     with lone_replica.forced(request.param):
         yield request.param
 

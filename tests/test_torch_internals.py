@@ -10,7 +10,8 @@ from torch.nn.parallel.replicate import replicate
 from torch.utils.checkpoint import checkpoint
 
 from helpers import stock_replicas
-from syncbn.functions import backend, torch_internals
+from syncbn.functions import torch_internals
+from syncbn.functions.operators import backend
 
 
 def test_the_installed_torch_is_one_the_internals_were_checked_against() -> None:

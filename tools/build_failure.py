@@ -1,6 +1,6 @@
 """What setup.py leaves when an optional extension (the CUDA kernels) fails to build: one
 paragraph (what failed, the first error line, how to retry or skip), printed and kept in a note
-beside the package's modules, since pip hides the build's output; functions/backend.py repeats
+beside the package's modules, since pip hides the build's output; functions/operators/backend.py repeats
 the note at import (``cuda_build_failure``)."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 // The Python module functions._C_cuda (see setup.py): the CUDA kernels of src/cuda/, registered as
-// the CUDA implementations of the torch.ops.syncbn operators (declared in functions/ops.py) when
-// functions/backend.py asks (use_kernels(cuda="compiled")).
+// the CUDA implementations of the torch.ops.syncbn operators (declared in functions/operators/ops.py) when
+// functions/operators/backend.py asks (use_kernels(cuda="compiled")).
 #include <torch/extension.h>
 #include <torch/library.h>
 

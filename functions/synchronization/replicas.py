@@ -34,8 +34,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 from torch import nn
 
-from . import backend, torch_internals
-from .torch_internals import torch_replicate_call
+from ..operators import backend
+from .. import torch_internals
+from ..torch_internals import torch_replicate_call
 
 TIMEOUT_ENV = "SYNCBN_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0
@@ -131,7 +132,7 @@ class ReplicaRound:
             native.abort(self._failure_reason())
 
     def native(self) -> Any:
-        """The round's native side (:data:`functions.backend.NATIVE_ROUNDS`), made at its first
+        """The round's native side (:data:`functions.operators.backend.NATIVE_ROUNDS`), made at its first
         exchange, which seals the round; broken already where the round is. Without the compiled
         module, replicas cannot meet: a clear error says how to build it."""
         native = self._native  # set once, never unset: read without the lock on every call after

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 
-from .backend import set_thread_intra_op_threads
+from ..operators.backend import set_thread_intra_op_threads
 from .replicas import ReplicaRound, ReplicaSyncError, abort_rounds
 
 T = TypeVar("T")

@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.autograd.function import Function, once_differentiable
 from torch.autograd.graph import increment_version
 
-from .devices import fetch
+from ..devices import fetch
 from .replica_threads import ThreadState, run_in_threads
 from .replicas import ReplicaRound
 

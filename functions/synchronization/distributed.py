@@ -10,7 +10,7 @@ rank check, on the same gathered data and so with the same verdict, that all ran
 same call of the same layer, with inputs of one dtype, and that none failed before the exchange.
 The verdict, the merge, the global count and the running statistics' update are one operator
 on the collective's device (``merge_gathered_stats``: where the verdict fails, nothing is
-updated); nothing is read on the host per layer but where :mod:`functions.checks` says (at once
+updated); nothing is read on the host per layer but where :mod:`functions.synchronization.checks` says (at once
 for CPU tensors or ``SYNCBN_CHECKS=layer``, deferred on CUDA by default).
 
 Backward: ONE all_reduce (sum) of the float64 row [id, id^2, n, n^2, sum_dy (C), sum_dy_xmu (C)]
@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import checks
-from .ops import OVERLOADS
-from .stats import LocalStats, Running
+from ..operators.ops import OVERLOADS
+from ..stats import LocalStats, Running
 
 SHAPE_DIMS = 8  # input dims carried for error messages; further dims are dropped
 LAYER, NUMBER, DTYPE, FAILED, NDIM, SHAPE = range(6)  # the header's columns: the first three agree
@@ -188,7 +188,7 @@ def all_gather_stats(local: LocalStats, call: ProcessGroupCall, running: Running
 
     ``local.mean`` and ``local.m2`` are ``(C,)`` float64 on the collective's device (the current
     CUDA device for NCCL, the CPU for Gloo); so are the mean and variance returned. The count is
-    an int where the checks are read at once (:mod:`functions.checks`), else a 0-dim float64
+    an int where the checks are read at once (:mod:`functions.synchronization.checks`), else a 0-dim float64
     tensor on that device, never read on the host. The checks raise alike on every rank when the
     ranks are at different calls, disagree on the dtype, one reported a failure, they hold one
     value per channel between them, or their counts are malformed: at once, or deferred; either
@@ -204,7 +204,7 @@ def all_gather_stats(local: LocalStats, call: ProcessGroupCall, running: Running
 
 def judge_gathered(call: ProcessGroupCall, valid: Tensor, rows: Tensor) -> bool:
     """Check the gathered ``rows`` that ``merge_gathered_stats`` judged ``valid``: at once or
-    deferred (:func:`functions.checks.verify_judged`, whose result this returns)."""
+    deferred (:func:`functions.synchronization.checks.verify_judged`, whose result this returns)."""
     return checks.verify_judged(valid, lambda: rows[:, :HEADER_SIZE], lambda values: _explain_forward(call, values))
 
 
@@ -249,7 +249,7 @@ def all_reduce_sums(sum_dy: Tensor, sum_dy_xmu: Tensor, call: ProcessGroupCall) 
 
 def judge_summed(call: ProcessGroupCall, row: Tensor) -> None:
     """Check the summed identities that lead the backward's ``row``: at once or deferred
-    (:func:`functions.checks.verify`)."""
+    (:func:`functions.synchronization.checks.verify`)."""
     checks.verify(row[:IDENTITY_SIZE], lambda values: _explain_summed(call, values))
 
 

@@ -1,4 +1,4 @@
-"""Which kernels serve the ``torch.ops.syncbn`` operators (:mod:`functions.ops`) on each device.
+"""Which kernels serve the ``torch.ops.syncbn`` operators (:mod:`functions.operators.ops`) on each device.
 
 The dispatcher picks the kernel by the tensors' device; this module decides what is registered
 (:func:`use_kernels`; :func:`backend_info` says what serves):
@@ -31,6 +31,9 @@ import torch
 
 from . import ops  # noqa: F401  (the operators' schemas, before any kernel is registered for them)
 
+EXTENSIONS_PACKAGE = __package__.rpartition(".")[0]
+"""Where setup.py builds the extensions: ``syncbn.functions._C_*``."""
+EXTENSIONS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Instruction sets the CPU kernels may be built for, weakest first (see setup.py).
 CPU_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")
 BUILD_HINT = "build them with `pip install --no-build-isolation -e .` (or `./make_ext.sh`) in the project's folder"
@@ -53,7 +56,7 @@ LOAD_PROBLEMS: dict[str, str] = {}
 
 def extension_files(name: str) -> list[str]:
     """The built files of the extension module ``functions.<name>``, if any."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = EXTENSIONS_DIR
     return [path for suffix in importlib.machinery.EXTENSION_SUFFIXES for path in glob.glob(os.path.join(here, name + suffix))]
 
 
@@ -62,7 +65,7 @@ def import_extension(name: str) -> tuple[ModuleType | None, str]:
     mismatch after a torch upgrade, a missing instruction set or library)."""
     files = extension_files(name)
     try:
-        return importlib.import_module(f".{name}", __package__), ""
+        return importlib.import_module(f"{EXTENSIONS_PACKAGE}.{name}"), ""
     except ImportError as error:
         if not files:
             return None, f"{name} is not built"
@@ -93,7 +96,7 @@ def load_extension() -> ModuleType | None:
 
 def cuda_build_failure() -> str | None:
     """The paragraph setup.py left when the CUDA kernels failed to build here, if it did."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_C_cuda.build-failure.txt")
+    path = os.path.join(EXTENSIONS_DIR, "_C_cuda.build-failure.txt")
     if not os.path.exists(path):
         return None
     with open(path) as f:
@@ -210,7 +213,7 @@ def backend_name(device: torch.device) -> str:
 def serves_single_device(device: torch.device) -> bool:
     """Whether our kernels may serve a lone replica on ``device`` at all: only the compiled CPU
     kernels do (cuDNN serves a lone CUDA replica). Which inputs they serve there:
-    :mod:`functions.lone_replica`."""
+    :mod:`functions.operators.lone_replica`."""
     return backend_name(device).startswith("compiled-cpu")
 
 

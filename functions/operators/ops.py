@@ -3,8 +3,8 @@ declared once here, and what every device gets whatever was built.
 
 - The schemas below are the one declaration of each operation. The compiled extensions register
   their kernels for their dispatch key (``src/operators.h``: CPU from ``functions/_C_<capability>``,
-  CUDA from ``functions/_C_cuda``) when :mod:`functions.backend` imports them.
-- The pure-PyTorch reference (:mod:`functions.reference`) is registered as the
+  CUDA from ``functions/_C_cuda``) when :mod:`functions.operators.backend` imports them.
+- The pure-PyTorch reference (:mod:`functions.operators.reference`) is registered as the
   ``CompositeExplicitAutograd`` kernel: it serves every device without a compiled kernel of its
   own (and every device after ``use_kernels(cpu="reference", cuda="reference")``).
 - A fake implementation of each (shapes, dtypes and layouts only) lets torch.compile,
@@ -52,13 +52,13 @@ SCHEMAS = {
         "(Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor(c!)? num_batches_tracked, float? momentum, "
         "Tensor mean, Tensor var, SymInt count) -> ()"
     ),
-    # rows of an all_gather over ranks (functions/distributed.py): header (its last value the
+    # rows of an all_gather over ranks (functions/synchronization/distributed.py): header (its last value the
     # count), mean (C), M2 (C) per rank; judged, merged in row order, running statistics updated
     "merge_gathered_stats": (
         "(Tensor rows, int header, int agreeing, int? flag, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
         "Tensor(c!)? num_batches_tracked, float? momentum) -> (Tensor total, Tensor mean, Tensor var, Tensor valid)"
     ),
-    # the float64 row [head, a, b] that one collective over ranks sends (functions/distributed.py)
+    # the float64 row [head, a, b] that one collective over ranks sends (functions/synchronization/distributed.py)
     "pack_row": "(float[] head, Tensor a, Tensor b) -> Tensor",
     "unpack_row": "(Tensor row, int head, ScalarType dtype) -> (Tensor a, Tensor b)",
     "batch_norm_train": (
@@ -86,7 +86,7 @@ SCHEMAS = {
     ),
 }
 """Schema of each operator. Per-channel outputs are ``(C,)``; full-size ones are shaped as
-``x`` and laid out as :func:`functions.reference.memory_format_of` says."""
+``x`` and laid out as :func:`functions.operators.reference.memory_format_of` says."""
 
 LIBRARY = torch.library.Library(NAMESPACE, "DEF")
 for _name, _schema in SCHEMAS.items():

@@ -11,7 +11,7 @@ where the checks are deferred, to queue the verdicts that it has copied to host 
 (:meth:`Synchronizer.defer_gathered`, :meth:`Synchronizer.defer_summed`). On the Python path the autograd Function
 meets the other replicas once per direction, with :meth:`Synchronizer.on_master`: each replica posts
 its part of the call (its tensors, and the stream it runs on) to its round (the same native
-meeting: :meth:`functions.replicas.ReplicaRound.exchange`) and waits; the master's work (run by
+meeting: :meth:`functions.synchronization.replicas.ReplicaRound.exchange`) and waits; the master's work (run by
 the replica that arrives last) does the whole call for every replica, in replica order, on each
 part's stream, and hands each its own result. The master's work asks this class for what
 crosses replicas and ranks:
@@ -20,7 +20,7 @@ crosses replicas and ranks:
   device after each part's work (:mod:`functions.devices`: an event per part, no host sync),
   checked to agree and merged (:func:`functions.stats.merge`), and, where a process group is
   given, merged into the process's part and sent through ONE all_gather, whose rows every rank
-  merges in rank order (:mod:`functions.distributed`); the running statistics updated once;
+  merges in rank order (:mod:`functions.synchronization.distributed`); the running statistics updated once;
 - :meth:`Synchronizer.sum_over_ranks`: the backward's (sum_dy, sum_dy_xmu) row over the ranks in
   ONE all_reduce;
 - :meth:`Synchronizer.stream_for`: the stream a replica runs on, which the master runs its part
@@ -46,10 +46,12 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 from torch import Tensor
 
-from . import checks, devices, distributed, reference, stats, torch_internals
+from . import checks, distributed
+from .. import devices, stats, torch_internals
+from ..operators import reference
 from .distributed import ProcessGroupCall, ProcessGroupSync, all_gather_stats, all_reduce_sums, report_failure
 from .replicas import ReplicaCall, ReplicaHandle
-from .stats import LocalStats, Running, update_running_stats
+from ..stats import LocalStats, Running, update_running_stats
 
 Part = TypeVar("Part")
 Result = TypeVar("Result")
@@ -128,9 +130,9 @@ class Synchronizer:
         ``running`` statistics updated once; :attr:`count` is the total, for the backward.
         Raises when they disagree on channels or dtype, or hold one value per channel between
         them, and updates nothing then; the ranks raise alike (at once, or deferred where their
-        checks are: :mod:`functions.checks`). The count is
+        checks are: :mod:`functions.synchronization.checks`). The count is
         an int, or a 0-dim float64 tensor on the device where it comes from a collective whose
-        checks are deferred (:func:`functions.distributed.all_gather_stats`)."""
+        checks are deferred (:func:`functions.synchronization.distributed.all_gather_stats`)."""
         stats.check_parts_agree(parts, self.layer)
         parts = _on_one_device(parts)
         if self.process_call is not None:
@@ -157,13 +159,13 @@ class Synchronizer:
 
     def judge_gathered(self, valid: Tensor, rows: Tensor) -> None:
         """The native path's forward checks where they fail (``valid`` false), read at once:
-        raises, as the Python path does (:func:`functions.distributed.judge_gathered`)."""
+        raises, as the Python path does (:func:`functions.synchronization.distributed.judge_gathered`)."""
         distributed.judge_gathered(self.process_call, valid, rows)
 
     def defer_gathered(self, valid: Tensor, headers: Tensor, ready: checks.Ready | None) -> None:
         """The native path's forward checks where they are deferred: ``valid`` and the rows'
         ``headers`` on their way to host memory, read once ``ready`` has passed
-        (:func:`functions.distributed.defer_gathered`)."""
+        (:func:`functions.synchronization.distributed.defer_gathered`)."""
         distributed.defer_gathered(self.process_call, valid, headers, ready)
 
     def reduce_row(self, row: Tensor) -> None:
@@ -176,7 +178,7 @@ class Synchronizer:
 
     def defer_summed(self, identities: Tensor, ready: checks.Ready | None) -> None:
         """The native path's backward checks where they are deferred: the summed ``identities``
-        on their way to host memory (:func:`functions.distributed.defer_summed`)."""
+        on their way to host memory (:func:`functions.synchronization.distributed.defer_summed`)."""
         distributed.defer_summed(self.process_call, identities, ready)
 
     def sum_with_ranks(self, sum_dy: Tensor, sum_dy_xmu: Tensor) -> tuple[Tensor, Tensor, int]:

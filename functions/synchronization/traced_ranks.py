@@ -3,7 +3,7 @@ through PyTorch's functional collectives (``torch.distributed._functional_collec
 ``_c10d_functional`` operators), so that the exchange is part of the compiled graph instead of a
 graph break. The math is the eager path's (:mod:`functions.sync_batchnorm`):
 
-Forward: each rank's row, the eager path's (:func:`functions.distributed.stats_header`: layer
+Forward: each rank's row, the eager path's (:func:`functions.synchronization.distributed.stats_header`: layer
 key, call number 0, dtype code, failed flag 0, shape, count; then mean (C), M2 (C), float64) goes
 through ONE all_gather; every rank judges the headers, merges the rows in rank order with Chan's
 formula and updates the running statistics on the device, in one operator
@@ -29,14 +29,15 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import Function
 
-from . import reference, torch_internals
-from .ops import OVERLOADS
+from ..operators import reference
+from .. import torch_internals
+from ..operators.ops import OVERLOADS
 from .distributed import DTYPE, FAILED, HEADER_SIZE, layer_key, stats_header
-from .reference import STATS_DTYPE, accumulation_dtype, in_dtype, memory_format_of, values_per_channel
-from .stats import Running
+from ..operators.reference import STATS_DTYPE, accumulation_dtype, in_dtype, memory_format_of, values_per_channel
+from ..stats import Running
 
 def _rank_row(x: Tensor, layer: str) -> Tensor:
-    """This rank's row, as the eager path's (:func:`functions.distributed.stats_header`), at call
+    """This rank's row, as the eager path's (:func:`functions.synchronization.distributed.stats_header`), at call
     number 0 (a Python counter would recompile every step)."""
     mean, m2 = OVERLOADS.local_stats(x)
     header = stats_header(layer_key(layer), 0, x.dtype, False, x.shape, values_per_channel(x))
