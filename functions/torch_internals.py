@@ -39,6 +39,23 @@ def torch_replicate_call(max_depth: int = 8) -> tuple[int | None, nn.Module | No
     return None, None
 
 
+_DATA_PARALLEL_FORWARD = nn.DataParallel.forward.__code__
+
+
+def device_less_data_parallel_call(max_depth: int = 64) -> bool:
+    """Whether stock ``nn.DataParallel``'s forward is a caller (a few frames up) with no devices:
+    where no CUDA device is visible it calls its module directly, as its only replica."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            break
+        if frame.f_code is _DATA_PARALLEL_FORWARD:
+            owner = frame.f_locals.get("self")
+            return isinstance(owner, nn.DataParallel) and not owner.device_ids
+        frame = frame.f_back
+    return False
+
+
 def has_forward_hook(module: nn.Module, hook: Callable) -> bool:
     """Whether ``hook`` is registered as a forward hook of ``module`` (torch has no public query)."""
     return any(registered is hook for registered in module._forward_hooks.values())

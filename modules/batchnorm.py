@@ -19,7 +19,9 @@ from ..functions.synchronization.distributed import ProcessGroupSync, active_pro
 from ..functions.operators.reference import values_per_channel
 from ..functions.stats import check_values_per_channel
 from ..functions.synchronization.synchronizer import Synchronizer, check_not_captured
-from ..functions.synchronization.replicas import REPLICA_ATTR, ReplicaHandle, RoundTracker, resolve_timeout
+from ..functions.synchronization.replicas import (
+    REPLICA_ATTR, ReplicaHandle, RoundTracker, resolve_timeout, warn_if_data_parallel_meets_no_one,
+)
 
 from .compiler import disable_when_compiling
 
@@ -96,6 +98,7 @@ class SyncBatchNorm(_BatchNorm):
     """
 
     _expected_ranks: tuple[int, ...] | None = None
+    _lone_call_checked = False  # whether a lone call looked for a stock DataParallel without devices
 
     def __init__(
         self,
@@ -263,6 +266,8 @@ class SyncBatchNorm(_BatchNorm):
                 return self._forward_traced(input, z, group)
             return self._forward_synced(input, z, handle, group)
         self._check_input(input, z)
+        if not self._lone_call_checked and not torch.compiler.is_compiling():
+            self._lone_call_checked = warn_if_data_parallel_meets_no_one()
         # torch's own batch norm where ours is not clearly faster (functions/operators/lone_replica.py);
         # not for the cumulative average (momentum=None), whose factor torch reads on the host (a
         # sync on CUDA, and a value that torch.compile(fullgraph=True) and torch.export cannot

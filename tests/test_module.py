@@ -271,3 +271,19 @@ def test_convert_and_revert_a_layer_held_twice_and_keep_process_groups() -> None
     converted = NN.convert_sync_batchnorm(nn.SyncBatchNorm(3, process_group=group))
     assert converted.process_group is group
     assert NN.revert_sync_batchnorm(converted).process_group is group
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="nn.DataParallel has devices where CUDA is visible")
+def test_stock_data_parallel_without_cuda_says_it_meets_no_one() -> None:
+    import warnings
+
+    model = nn.Sequential(NN.BatchNorm2d(3), NN.BatchNorm2d(3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        NN.BatchNorm2d(3)(torch.randn(4, 3, 2, 2))  # a lone layer: nothing to say
+        assert not caught
+        y = nn.DataParallel(model)(torch.randn(4, 3, 2, 2))
+        nn.DataParallel(model)(torch.randn(4, 3, 2, 2))  # each layer looks once
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2 and all("ThreadedDataParallel" in m and "no CUDA device" in m for m in messages), messages
+    assert y.shape == (4, 3, 2, 2)

@@ -39,6 +39,20 @@ def test_replicate_still_has_the_locals_that_round_detection_reads() -> None:
     assert torch_internals.torch_replicate_call() == (None, None)  # not called from replicate()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="nn.DataParallel has devices where CUDA is visible")
+def test_a_device_less_data_parallel_is_found_among_the_callers() -> None:
+    seen: list = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append(torch_internals.device_less_data_parallel_call())
+            return x
+
+    nn.DataParallel(nn.Sequential(Probe()))(torch.ones(2))
+    Probe()(torch.ones(2))
+    assert seen == [True, False]
+
+
 def test_forward_hooks_are_found() -> None:
     def hook(module, args, result):
         return None

@@ -29,6 +29,7 @@ import functools
 import os
 import sys
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, Iterable, Sequence
 
@@ -274,6 +275,21 @@ def replicas_in_order(module: nn.Module, count: int) -> list[nn.Module]:
     finally:
         REPLICATING.index = outer
     return replicas
+
+
+def warn_if_data_parallel_meets_no_one() -> bool:
+    """Warn where stock ``nn.DataParallel`` runs this call as its only replica because no CUDA
+    device is visible (once per process: the message is the same for every layer). Returns True:
+    the caller need not ask again."""
+    if torch_internals.device_less_data_parallel_call():
+        warnings.warn(
+            "syncbn: nn.DataParallel found no CUDA device, so it runs the whole batch as one replica and "
+            "the synchronized layers meet no one (their statistics are the whole batch's); to run CPU "
+            "replicas that synchronize, use syncbn.parallel.ThreadedDataParallel",
+            UserWarning,
+            stacklevel=4,
+        )
+    return True
 
 
 def release_rounds_on_failure(root: nn.Module) -> None:
