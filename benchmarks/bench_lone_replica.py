@@ -134,14 +134,15 @@ def main() -> None:
     if not backend.startswith("compiled-cpu"):
         sys.exit(f"no compiled CPU kernels here ({backend}): torch's batch norm serves every lone replica")
     torch.manual_seed(0)
-    keep_freed_blocks()
-    print(machine_line(copy_bandwidth_gbs(args.min_run_time), args.min_run_time, "glibc malloc, freed blocks kept"))
+    allocator = "glibc malloc, freed blocks kept (see keep_freed_blocks)" if keep_freed_blocks() else "default allocator"
+    machine = machine_line(copy_bandwidth_gbs(args.min_run_time), args.min_run_time, allocator)
+    print(machine)
     print("| stats | fused | dtype | layout | shape | torch ms | via ours | via torch | the rule |")
     print("|---|---|---|---|---|---|---|---|---|")
     records = measure(args.dtypes, args.min_run_time)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"backend": backend, "machine": machine_line(0.0, args.min_run_time, ""), "records": records}, f, indent=1)
+            json.dump({"backend": backend, "machine": machine, "records": records}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,7 @@
 """The math and the synchronization of synchronized batch norm (where each behaviour lives: docs/code-map.md)."""
 if __name__ == "functions":  # the repository's directory imported by its own name: a second copy
     raise ImportError("the repository's functions/ is syncbn.functions: import syncbn (from syncbn import nn)")
-from .operators import ops
-from .operators import lone_replica
+from .operators import lone_replica, ops
 from .operators.backend import backend_info, backend_name, serves_single_device, use_kernels
 from .synchronization.checks import check_pending
 from .frozen_batchnorm import FrozenBatchNormFunction, frozen_batch_norm

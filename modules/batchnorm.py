@@ -267,7 +267,8 @@ class SyncBatchNorm(_BatchNorm):
             return self._forward_synced(input, z, handle, group)
         self._check_input(input, z)
         if not self._lone_call_checked and not torch.compiler.is_compiling():
-            self._lone_call_checked = warn_if_data_parallel_meets_no_one()
+            self._lone_call_checked = True
+            warn_if_data_parallel_meets_no_one()
         # torch's own batch norm where ours is not clearly faster (functions/operators/lone_replica.py);
         # not for the cumulative average (momentum=None), whose factor torch reads on the host (a
         # sync on CUDA, and a value that torch.compile(fullgraph=True) and torch.export cannot

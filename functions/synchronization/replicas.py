@@ -277,10 +277,9 @@ def replicas_in_order(module: nn.Module, count: int) -> list[nn.Module]:
     return replicas
 
 
-def warn_if_data_parallel_meets_no_one() -> bool:
+def warn_if_data_parallel_meets_no_one() -> None:
     """Warn where stock ``nn.DataParallel`` runs this call as its only replica because no CUDA
-    device is visible (once per process: the message is the same for every layer). Returns True:
-    the caller need not ask again."""
+    device is visible (once per process: the message is the same for every layer)."""
     if torch_internals.device_less_data_parallel_call():
         warnings.warn(
             "syncbn: nn.DataParallel found no CUDA device, so it runs the whole batch as one replica and "
@@ -289,7 +288,6 @@ def warn_if_data_parallel_meets_no_one() -> bool:
             UserWarning,
             stacklevel=4,
         )
-    return True
 
 
 def release_rounds_on_failure(root: nn.Module) -> None:
