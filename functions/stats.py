@@ -2,6 +2,7 @@
 contributions are checked and merged (math only: the parts' tensors are on one device)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,8 +25,9 @@ class LocalStats:
     """A CUDA event after the work that produced mean and m2 (:func:`functions.devices.mark_ready`), or None."""
 
 
-def check_values_per_channel(total: int, layer: str, shapes: list[torch.Size], parts: str = "replicas") -> None:
-    """Batch statistics need more than one value per channel (torch raises ValueError too)."""
+def check_values_per_channel(total: int, layer: str, shapes: Sequence[Sequence[int]], parts: str = "replicas") -> None:
+    """Batch statistics need more than one value per channel (torch raises ValueError too); the
+    native meeting calls this where its replicas hold one value per channel, for its message."""
     if total == 1:
         sizes = ", ".join(str(tuple(s)) for s in shapes)
         raise ValueError(
@@ -34,15 +36,15 @@ def check_values_per_channel(total: int, layer: str, shapes: list[torch.Size], p
         )
 
 
-def check_parts_agree(parts: list[LocalStats], layer: str) -> None:
-    """The replicas' inputs have the same channels and dtype."""
-    first = parts[0]
-    for index, part in enumerate(parts):
-        if part.mean.numel() != first.mean.numel() or part.input_dtype != first.input_dtype:
+def check_inputs_agree(layer: str, channels: Sequence[int], dtypes: Sequence[torch.dtype]) -> None:
+    """The replicas' inputs have the same channels and dtype (replica ``i``'s input: ``channels[i]``
+    channels of ``dtypes[i]``); the native meeting calls this where they do not, for its message."""
+    for index, (count, dtype) in enumerate(zip(channels, dtypes)):
+        if count != channels[0] or dtype != dtypes[0]:
             raise RuntimeError(
                 f"{layer}: replicas disagree on their input: replica 0 has "
-                f"{first.mean.numel()} channels of {first.input_dtype}, replica {index} has "
-                f"{part.mean.numel()} channels of {part.input_dtype}"
+                f"{channels[0]} channels of {dtypes[0]}, replica {index} has "
+                f"{count} channels of {dtype}"
             )
 
 

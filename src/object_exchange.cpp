@@ -18,8 +18,6 @@
 
 namespace syncbn {
 
-PyObject* replica_sync_error_type();  // src/sync_batch_norm.cpp
-
 namespace {
 
 namespace py = pybind11;
@@ -79,10 +77,7 @@ py::object exchange(ReplicaRound& round, const char* direction, int64_t call, in
       broken = error.what();
     }
   }
-  if (broken) {
-    PyErr_SetString(replica_sync_error_type(), broken->c_str());
-    throw py::error_already_set();
-  }
+  if (broken) throw_replica_sync_error(*broken);
   return std::move(result.object);
 }
 

@@ -74,6 +74,13 @@ void update_running_stats(const std::optional<at::Tensor>& running_mean, const s
                           const std::optional<at::Tensor>& num_batches_tracked, std::optional<double> momentum,
                           const at::Tensor& mean, const at::Tensor& var, int64_t count);
 
+// update_running_stats' blend on the device, after num_batches_tracked's increment: running =
+// (1 - factor) * running + factor * batch for the mean and the unbiased variance, only where the
+// 0-dim bool `where` holds (undefined: everywhere). Nothing without momentum or num_batches_tracked.
+void blend_running_stats(const at::Tensor& running_mean, const at::Tensor& running_var,
+                         const std::optional<at::Tensor>& num_batches_tracked, std::optional<double> momentum,
+                         const at::Tensor& mean, const at::Tensor& unbiased, const at::Tensor& where);
+
 // (mean, invstd) in `acc` from the float64 mean and M2 of `count` values per channel: var = M2 /
 // count (an empty batch: var 1), invstd = 1 / sqrt(var + eps); also var itself (float64). Where both
 // are host vectors, one loop (invstd correctly rounded) instead of a handful of ATen

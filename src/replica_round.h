@@ -36,6 +36,10 @@ struct RoundBroken : std::runtime_error {
 // Python exceptions that C++ ones become.
 std::string failure_reason(int64_t index, const std::exception_ptr& error);
 
+// A broken round's `reason` raised as functions.ReplicaSyncError, with the GIL held (the bindings'
+// error: src/sync_batch_norm.cpp).
+[[noreturn]] void throw_replica_sync_error(const std::string& reason);
+
 class ReplicaRound {
  public:
   // `cores`: the CPUs the replicas share (0: unknown, every waiter may poll for spin_us).

@@ -172,24 +172,6 @@ pybind11::object ready_object(const Ready& ready) {
 
 
 
-std::string python_dtype(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kDouble: return "torch.float64";
-    case at::kFloat: return "torch.float32";
-    case at::kHalf: return "torch.float16";
-    case at::kBFloat16: return "torch.bfloat16";
-    default: return std::string("torch.") + c10::toString(dtype);
-  }
-}
-
-std::string python_tuple(at::IntArrayRef sizes) {
-  std::ostringstream text;
-  text << "(";
-  for (size_t i = 0; i < sizes.size(); ++i) text << (i ? ", " : "") << sizes[i];
-  text << (sizes.size() == 1 ? ",)" : ")");
-  return text.str();
-}
-
 // ---- what crosses replicas: the forward's statistics, the backward's sums ----
 
 // One replica's statistics of its input, after the work that made them.
@@ -222,27 +204,43 @@ struct MasterCall {
   std::string layer;
 };
 
-void check_parts_agree(const std::vector<StatsPart>& parts, const std::string& layer) {
-  const auto& first = parts[0];
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const auto& part = parts[i];
-    if (part.mean.numel() != first.mean.numel() || part.dtype != first.dtype) {
-      std::ostringstream text;
-      text << layer << ": replicas disagree on their input: replica 0 has " << first.mean.numel() << " channels of "
-           << python_dtype(first.dtype) << ", replica " << i << " has " << part.mean.numel() << " channels of "
-           << python_dtype(part.dtype);
-      throw std::runtime_error(text.str());
+// A failed check, explained and raised by its function in functions/stats.py (each message has
+// one text, the Python path's), as a python_error that crosses threads and the autograd engine.
+template <typename... Args>
+[[noreturn]] void raise_failed_check(const char* check, const Args&... args) {
+  python_error error;
+  {
+    pybind11::gil_scoped_acquire gil;
+    try {
+      pybind11::module_::import("syncbn.functions.stats").attr(check)(args...);
+      PyErr_SetString(PyExc_AssertionError, (std::string(check) + " passed what the native path failed").c_str());
+    } catch (pybind11::error_already_set& raised) {
+      raised.restore();
     }
+    error.persist();
   }
+  throw std::move(error);
+}
+
+void check_parts_agree(const std::vector<StatsPart>& parts, const std::string& layer) {
+  const auto disagrees = [&](const StatsPart& part) {
+    return part.mean.numel() != parts[0].mean.numel() || part.dtype != parts[0].dtype;
+  };
+  if (std::none_of(parts.begin(), parts.end(), disagrees)) return;
+  std::vector<int64_t> channels;
+  std::vector<at::ScalarType> dtypes;
+  for (const auto& part : parts) {
+    channels.push_back(part.mean.numel());
+    dtypes.push_back(part.dtype);
+  }
+  raise_failed_check("check_inputs_agree", layer, channels, dtypes);
 }
 
 void check_values_per_channel(const std::vector<StatsPart>& parts, int64_t total, const std::string& layer) {
   if (total != 1) return;
-  std::ostringstream text;
-  text << layer << ": Expected more than 1 value per channel when training, got input size ";
-  for (size_t i = 0; i < parts.size(); ++i) text << (i ? ", " : "") << python_tuple(parts[i].sizes);
-  text << " over " << parts.size() << " replicas";
-  throw std::invalid_argument(text.str());
+  std::vector<std::vector<int64_t>> shapes;
+  for (const auto& part : parts) shapes.push_back(part.sizes);
+  raise_failed_check("check_values_per_channel", total, layer, shapes);
 }
 
 // The collectives' rows (functions/synchronization/distributed.py, which sets this once: set_row_layout).
@@ -749,7 +747,10 @@ at::Tensor sync_batch_norm(const std::shared_ptr<ReplicaRound>& round, int64_t i
   });
 }
 
-PyObject* replica_sync_error_type() { return replica_sync_error; }
+void throw_replica_sync_error(const std::string& reason) {
+  PyErr_SetString(replica_sync_error, reason.c_str());
+  throw pybind11::error_already_set();
+}
 
 void bind_object_exchange(pybind11::class_<ReplicaRound, std::shared_ptr<ReplicaRound>>& round);  // src/object_exchange.cpp
 
@@ -812,10 +813,7 @@ void bind_sync_batch_norm(pybind11::module_& m) {
           raised->restore();
           throw py::error_already_set();
         }
-        if (broken) {
-          PyErr_SetString(replica_sync_error, broken->c_str());
-          throw py::error_already_set();
-        }
+        if (broken) throw_replica_sync_error(*broken);
         return y;
       },
       py::arg("round").none(true), py::arg("index"), py::arg("call"), py::arg("input"), py::arg("weight"),

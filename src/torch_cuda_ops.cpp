@@ -158,24 +158,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_gathered_stats(
   if (flag) valid = valid & (heads.select(1, *flag) == 0).all();
   // where invalid nothing changes, num_batches_tracked included; where valid as
   // update_running_stats with the total as count (an empty batch only counts)
-  const bool tracks = num_batches_tracked && num_batches_tracked->defined();
-  if (tracks) num_batches_tracked->add_(valid);
-  if (!running_mean || !running_mean->defined() || !running_var || !running_var->defined() || !(momentum || tracks)) {
-    return {total, mean, var, valid};
+  if (num_batches_tracked && num_batches_tracked->defined()) num_batches_tracked->add_(valid);
+  if (running_mean && running_mean->defined() && running_var && running_var->defined()) {
+    blend_running_stats(*running_mean, *running_var, num_batches_tracked, momentum, mean, var * (total / (total - 1)),
+                        valid & (total > 1));
   }
-  const auto unbiased = var * (total / (total - 1));
-  at::Tensor new_mean, new_var;
-  if (momentum) {
-    new_mean = mean * *momentum + *running_mean * (1 - *momentum);
-    new_var = unbiased * *momentum + *running_var * (1 - *momentum);
-  } else {  // the cumulative average, its factor on the device
-    const auto factor = num_batches_tracked->to(mean.options()).reciprocal();
-    new_mean = mean * factor + *running_mean * (1 - factor);
-    new_var = unbiased * factor + *running_var * (1 - factor);
-  }
-  const auto updates = valid & (total > 1);
-  running_mean->copy_(at::where(updates, new_mean, *running_mean));
-  running_var->copy_(at::where(updates, new_var, *running_var));
   return {total, mean, var, valid};
 }
 

@@ -13,11 +13,6 @@
 namespace syncbn {
 namespace {
 
-// mean * factor + running * (1 - factor) into running, factor a double or a 0-dim tensor.
-template <typename Factor>
-void blend_into(const at::Tensor& running, const at::Tensor& batch, const Factor& factor) {
-  running.copy_(batch * factor + running * (1 - factor));
-}
 
 // update_running_stats on host tensors: running = batch * factor + running * (1 - factor) per
 // channel in double, rounded once to the running statistics' dtype.
@@ -144,14 +139,23 @@ void update_running_stats(const std::optional<at::Tensor>& running_mean, const s
     update_on_host(*running_mean, *running_var, factor, mean, var, unbias);
     return;
   }
-  const auto unbiased = var * unbias;
+  blend_running_stats(*running_mean, *running_var, num_batches_tracked, momentum, mean, var * unbias, at::Tensor());
+}
+
+void blend_running_stats(const at::Tensor& running_mean, const at::Tensor& running_var,
+                         const std::optional<at::Tensor>& num_batches_tracked, std::optional<double> momentum,
+                         const at::Tensor& mean, const at::Tensor& unbiased, const at::Tensor& where) {
+  const auto blend = [&](const at::Tensor& running, const at::Tensor& batch, const auto& factor) {
+    const auto blended = batch * factor + running * (1 - factor);
+    running.copy_(where.defined() ? at::where(where, blended, running) : blended);
+  };
   if (momentum) {
-    blend_into(*running_mean, mean, *momentum);
-    blend_into(*running_var, unbiased, *momentum);
-  } else if (counts) {  // the cumulative average, on the device (no host read of the count)
+    blend(running_mean, mean, *momentum);
+    blend(running_var, unbiased, *momentum);
+  } else if (num_batches_tracked && num_batches_tracked->defined()) {  // no host read of the count
     const auto factor = num_batches_tracked->to(mean.options()).reciprocal();
-    blend_into(*running_mean, mean, factor);
-    blend_into(*running_var, unbiased, factor);
+    blend(running_mean, mean, factor);
+    blend(running_var, unbiased, factor);
   }
 }
 

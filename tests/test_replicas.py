@@ -436,8 +436,9 @@ def test_one_value_per_channel_over_all_replicas() -> None:
     inputs = [torch.randn(1, 3, 1, 1), torch.randn(0, 3, 1, 1)]
     with torch.no_grad():
         results = run_threads([lambda r=r, x=x: r(x) for r, x in zip(replicas, inputs)])
-    assert isinstance(results[0], ValueError) and "more than 1 value per channel" in str(results[0])
-    assert isinstance(results[1], ReplicaSyncError)
+    message = "more than 1 value per channel when training, got input size (1, 3, 1, 1), (0, 3, 1, 1) over 2 replicas"
+    assert isinstance(results[0], ValueError) and message in str(results[0]), results[0]
+    assert isinstance(results[1], ReplicaSyncError) and f"replica 0 failed: ValueError: {bn._label()}" in str(results[1])
     assert int(bn.num_batches_tracked) == 0
     # one value on each of two replicas is a batch of two: fine
     results = forward_replicas(bn, torch.randn(2, 3, 1, 1), 2)

@@ -133,7 +133,7 @@ class Synchronizer:
         checks are: :mod:`functions.synchronization.checks`). The count is
         an int, or a 0-dim float64 tensor on the device where it comes from a collective whose
         checks are deferred (:func:`functions.synchronization.distributed.all_gather_stats`)."""
-        stats.check_parts_agree(parts, self.layer)
+        stats.check_inputs_agree(self.layer, [p.mean.numel() for p in parts], [p.input_dtype for p in parts])
         parts = _on_one_device(parts)
         if self.process_call is not None:
             return self._gather_over_ranks(stats.merge_into_one(parts), running)
