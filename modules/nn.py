@@ -1,10 +1,11 @@
 """User API: synchronized batch norm layers, drop-in for ``nn.BatchNorm1d/2d/3d``, and the
-functions that convert, freeze and fuse a model's batch norms.
+functions that convert, freeze and fuse a model's batch norms and recompute their statistics.
 
 ``from syncbn import nn as NN``; ``NN.BatchNorm2d(64)`` is ``NN.SyncBatchNorm2d(64)``.
 
 A facade: the layers are in :mod:`modules.batchnorm`, the activated ones (``inplace_abn``'s) in :mod:`modules.inplace_abn`, the converters in
-:mod:`modules.conversion`, the fusion pass in :mod:`modules.fusion`; none of them imports this
+:mod:`modules.conversion`, the fusion pass in :mod:`modules.fusion`, the statistics' recomputation
+in :mod:`modules.population`; none of them imports this
 module.
 """
 from . import batchnorm
@@ -22,5 +23,6 @@ from . import inplace_abn
 from .inplace_abn import ABN, InPlaceABN, InPlaceABNSync
 from .conversion import convert_sync_batchnorm, freeze_batchnorm, revert_sync_batchnorm
 from .fusion import InPlaceConversion, convert_inplace_abn, fuse_bn_act
+from .population import update_bn
 
-__all__ = [*batchnorm.__all__, *inplace_abn.__all__, "InPlaceConversion", "convert_inplace_abn", "convert_sync_batchnorm", "freeze_batchnorm", "fuse_bn_act", "revert_sync_batchnorm"]
+__all__ = [*batchnorm.__all__, *inplace_abn.__all__, "InPlaceConversion", "convert_inplace_abn", "convert_sync_batchnorm", "freeze_batchnorm", "fuse_bn_act", "revert_sync_batchnorm", "update_bn"]
