@@ -5,9 +5,10 @@
 # dirs and the flags torch's cpp_extension passes to nvcc for an extension (COMMON_NVCC_FLAGS,
 # -std=c++20, the C++ ABI of torch, -DTORCH_EXTENSION_NAME, -DTORCH_API_INCLUDE_EXTENSION_H,
 # -fPIC, -O3 as setup.py). Then every kernel's resources on every architecture (ptxas -v, and the
-# block size its kept PTX declares) go through tools/cuda_resources.py, which prints them and
-# fails where a kernel declares no block size (__launch_bounds__), its registers x block exceed
-# 65,536, its static shared memory 48 KiB, or it spills. Last, the CUDA extension's C++ binding
+# block size its kept PTX declares) go through tools/cuda_resources.py, which prints them with
+# the resident warps per SM and fails where a kernel declares no block size (__launch_bounds__),
+# its registers x block exceed 65,536, its static shared memory 48 KiB, it spills, or it keeps
+# fewer than 24 resident warps per SM on sm_80 or sm_90. Last, the CUDA extension's C++ binding
 # file (src/cuda/bindings.cpp) gets `g++ -fsyntax-only` against torch's and the toolkit's headers.
 # Fails on any error, and when nvcc is missing.
 #
@@ -65,7 +66,7 @@ for entry in "${pids[@]}"; do
     status=1
   fi
 done
-# registers, block sizes, shared memory and spills of every kernel on every architecture
+# registers, block sizes, shared memory, spills and occupancy of every kernel on every architecture
 if [ "$status" -eq 0 ]; then
   if python tools/cuda_resources.py "${dirs[@]}"; then
     echo "check_cuda: ok     kernel resources ($ARCH_NAMES)"

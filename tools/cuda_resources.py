@@ -1,11 +1,12 @@
 """The resource check of tools/check_cuda.sh: every CUDA kernel's registers, declared block size,
-shared memory and spills, for every architecture compiled, read from what nvcc left behind.
+shared memory, spills and occupancy, for every architecture compiled, read from what nvcc left behind.
 
 Each DIR argument holds one .cu file's compilation: ``ptxas.log``, nvcc's output with
 ``-Xptxas -v`` (per kernel entry and architecture: registers, static shared memory, spill stores
 and loads), and the ``*.ptx`` that ``--keep --keep-dir DIR`` kept (per entry, the block size it
 declares with ``__launch_bounds__``: ``.maxntid X, Y, Z``). Prints one line per entry and
-architecture, and fails (exit status 1, one line naming kernel and architecture per problem) where
+architecture, with its resident warps per SM, and fails (exit status 1, one line naming kernel and
+architecture per problem) where
 
 - an entry declares no block size (no ``.maxntid``: the kernel has no ``__launch_bounds__``, so
   ptxas may give it more registers than its launch can have);
@@ -14,7 +15,26 @@ architecture, and fails (exit status 1, one line naming kernel and architecture 
   we build for (sm_75 to sm_90): its launch fails with "too many resources requested";
 - its static shared memory exceeds 48 KiB (the most without an opt-in);
 - it spills (spill stores or loads > 0): every kernel here is on a training step's path, and the
-  largest ones hold their accumulators in registers, so none may spill.
+  largest ones hold their accumulators in registers, so none may spill;
+- it keeps fewer than 24 resident warps per SM on sm_80 or sm_90: every kernel is gated, each
+  being a pass over memory whose loads only other resident warps hide (with blocks of 256
+  threads: 3 blocks, at most 80 registers a thread).
+
+Resident warps per SM = blocks per SM x warps a block, blocks per SM being the least that each
+limit allows (the rules of the toolkit's ``cuda_occupancy.h``, which
+``cudaOccupancyMaxActiveBlocksPerMultiprocessor`` follows):
+
+- registers: a warp gets its registers a thread x 32, rounded up to 256; each of an SM's 4
+  sub-partitions holds 65,536 / 4 registers, so as many whole warps as fit in 16,384, times 4;
+- threads and blocks: the SM's resident threads (in whole blocks) and resident blocks;
+- shared memory: the SM's largest carveout over a block's static shared memory plus the 1 KiB
+  the driver reserves a block (none on sm_75), rounded up to 128 bytes (256 on sm_75).
+
+The limits per SM (CUDA C++ Programming Guide, "Technical Specifications per Compute Capability"):
+65,536 registers on every architecture; resident threads 1,024 (sm_75), 2,048 (sm_80, sm_90),
+1,536 (sm_86, sm_87, sm_89); resident blocks 16 (sm_75, sm_86, sm_87), 24 (sm_89), 32 (sm_80,
+sm_90); shared memory 64 KiB (sm_75), 100 KiB (sm_86, sm_89), 164 KiB (sm_80, sm_87), 228 KiB
+(sm_90). An architecture not in that table gets no occupancy ("-").
 
     python tools/cuda_resources.py DIR [DIR ...]
 """
@@ -31,7 +51,33 @@ MAX_BLOCK_REGISTERS = 65536
 MAX_STATIC_SMEM = 48 * 1024
 MAX_BLOCK_THREADS = 1024
 REGISTER_UNIT = 8  # registers are allocated to a thread in multiples of 8 (256 a warp)
+SM_REGISTERS = 65536
+SUB_PARTITIONS = 4  # an SM's registers are split among 4 schedulers; a warp's stay in one
+MIN_RESIDENT_WARPS = 24  # per SM, on the architectures of OCCUPANCY_GATED
+OCCUPANCY_GATED = ("sm_80", "sm_90")
 NAME_WIDTH = 100
+KIB = 1024
+
+
+@dataclass(frozen=True)
+class SM:
+    """One architecture's limits per multiprocessor."""
+
+    threads: int  # resident threads
+    blocks: int  # resident blocks
+    smem: int  # shared memory, its largest carveout (bytes)
+    smem_reserved: int  # shared memory the driver takes a block
+    smem_unit: int  # a block's shared memory is allocated in multiples of this
+
+
+SMS = {
+    "sm_75": SM(1024, 16, 64 * KIB, 0, 256),
+    "sm_80": SM(2048, 32, 164 * KIB, KIB, 128),
+    "sm_86": SM(1536, 16, 100 * KIB, KIB, 128),
+    "sm_87": SM(1536, 16, 164 * KIB, KIB, 128),
+    "sm_89": SM(1536, 24, 100 * KIB, KIB, 128),
+    "sm_90": SM(2048, 32, 228 * KIB, KIB, 128),
+}
 
 ENTRY = re.compile(r"Compiling entry function '(?P<name>[^']+)' for '(?P<arch>sm_\w+)'")
 SPILLS = re.compile(r"(?P<stores>\d+) bytes spill stores, (?P<loads>\d+) bytes spill loads")
@@ -57,8 +103,31 @@ class Entry:
     def block_registers(self) -> int | None:
         if self.block is None:
             return None
-        threads = -(-self.block // 32) * 32
-        return -(-self.registers // REGISTER_UNIT) * REGISTER_UNIT * threads
+        return round_up(self.registers, REGISTER_UNIT) * round_up(self.block, 32)
+
+    @property
+    def resident_warps(self) -> int | None:
+        """Warps per SM of blocks of the declared size; None where block or architecture is unknown."""
+        sm = SMS.get(self.arch)
+        if sm is None or self.block is None or self.registers < 0:
+            return None
+        warps = round_up(self.block, 32) // 32
+        return resident_blocks(sm, self.registers, warps, self.smem) * warps
+
+
+def round_up(value: int, unit: int) -> int:
+    return -(-value // unit) * unit
+
+
+def resident_blocks(sm: SM, registers: int, warps: int, smem: int) -> int:
+    """Blocks of `warps` warps, `registers` a thread and `smem` static shared memory bytes an SM holds."""
+    limits = [sm.blocks, sm.threads // 32 // warps]
+    if registers > 0:
+        warp_registers = round_up(registers, REGISTER_UNIT) * 32
+        limits.append((SM_REGISTERS // SUB_PARTITIONS // warp_registers) * SUB_PARTITIONS // warps)
+    if smem + sm.smem_reserved > 0:
+        limits.append(sm.smem // round_up(smem + sm.smem_reserved, sm.smem_unit))
+    return min(limits)
 
 
 def ptxas_entries(source: str, log: str) -> list[Entry]:
@@ -119,8 +188,8 @@ def readable_names(mangled: list[str]) -> dict[str, str]:
             plain = lines
     names = {}
     for name, text in zip(mangled, plain):
-        text = re.sub(r"\((?:[^()]|\([^()]*\))*\)$", "", text)  # the parameter list
         text = re.sub(r"^void |syncbn::cuda::|\(anonymous namespace\)::|c10::", "", text)
+        text = re.sub(r"\((?:[^()]|\([^()]*\))*\)$", "", text)  # the parameter list
         names[name] = text if len(text) <= NAME_WIDTH else text[: NAME_WIDTH - 3] + "..."
     return names
 
@@ -143,7 +212,30 @@ def problems(entry: Entry, name: str) -> list[str]:
             f"{where}: {entry.registers} registers x {entry.block} threads = {entry.block_registers} "
             f"(allocated) > {MAX_BLOCK_REGISTERS}: its launch fails"
         )
+    elif entry.arch in OCCUPANCY_GATED and entry.resident_warps < MIN_RESIDENT_WARPS:
+        found.append(
+            f"{where}: {entry.resident_warps} resident warps per SM < {MIN_RESIDENT_WARPS} "
+            f"({entry.registers} registers x {entry.block} threads, {entry.smem} bytes of shared memory)"
+        )
     return found
+
+
+def shown(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def summary(arch: str, mine: list[Entry], names: dict[str, str]) -> str:
+    """One architecture's line: its kernels, the most registers a block, the fewest resident warps, spills."""
+    line = f"cuda_resources: {arch}: {len(mine)} kernels"
+    declared = [e for e in mine if e.block is not None]
+    if declared:
+        worst = max(declared, key=lambda e: e.block_registers)
+        line += f", most registers a block {worst.block_registers} of {MAX_BLOCK_REGISTERS} ({names[worst.name]})"
+    known = [e for e in declared if e.resident_warps is not None]
+    if known:
+        fewest = min(known, key=lambda e: e.resident_warps)
+        line += f", fewest resident warps per SM {fewest.resident_warps} ({names[fewest.name]})"
+    return line + f", spills {sum(e.spill_stores + e.spill_loads for e in mine)} bytes"
 
 
 def main(directories: list[str]) -> int:
@@ -163,24 +255,22 @@ def main(directories: list[str]) -> int:
         return 1
     names = readable_names(sorted({e.name for e in entries}))
     entries.sort(key=lambda e: (e.source, e.arch, names[e.name]))
-    print(f"{'arch':6} {'regs':>4} {'block':>5} {'regs*block':>10} {'smem':>6} {'spill st/ld':>11}  kernel (source)")
+    # resident warps lead the line: the columns after keep their order (tests/test_build.py reads them)
+    print(
+        f"{'warps':>5} {'arch':6} {'regs':>4} {'block':>5} {'regs*block':>10} {'smem':>6} {'spill st/ld':>11}  "
+        "kernel (source)"
+    )
     failures = []
     for e in entries:
         name = names[e.name]
-        product = e.block_registers if e.block is not None else "-"
-        block = e.block if e.block is not None else "-"
         spills = f"{e.spill_stores}/{e.spill_loads}"
-        print(f"{e.arch:6} {e.registers:>4} {block:>5} {product:>10} {e.smem:>6} {spills:>11}  {name} ({e.source})")
+        print(
+            f"{shown(e.resident_warps):>5} {e.arch:6} {e.registers:>4} {shown(e.block):>5} "
+            f"{shown(e.block_registers):>10} {e.smem:>6} {spills:>11}  {name} ({e.source})"
+        )
         failures += problems(e, name)
     for arch in sorted({e.arch for e in entries}):
-        mine = [e for e in entries if e.arch == arch and e.block is not None]
-        worst = max(mine, key=lambda e: e.block_registers, default=None)
-        if worst is not None:
-            print(
-                f"cuda_resources: {arch}: {len([e for e in entries if e.arch == arch])} kernels, most registers a "
-                f"block {worst.block_registers} of {MAX_BLOCK_REGISTERS} ({names[worst.name]}), "
-                f"spills {sum(e.spill_stores + e.spill_loads for e in entries if e.arch == arch)} bytes"
-            )
+        print(summary(arch, [e for e in entries if e.arch == arch], names))
     for failure in failures:
         print(f"cuda_resources: FAILED {failure}", file=sys.stderr)
     return 1 if failures else 0

@@ -68,18 +68,17 @@ inline bool can_vectorize(const Layout& l, int V, std::initializer_list<const vo
 
 // Threads per block, one constant per kernel family: each kernel declares it as its
 // __launch_bounds__ (so ptxas fits its registers to that block: tools/check_cuda.sh checks
-// registers x block <= 65536, no spills, on every architecture built) and its launch uses it.
+// registers x block <= 65536, no spills, on every architecture built, and 24 resident warps a
+// multiprocessor on sm_80 and sm_90) and its launch uses it.
 constexpr int kReduceThreads = 256;        // reduce_contiguous_kernel, 1-D
-constexpr int kTileThreads = 512;          // reduce_channels_last_kernel, at most TX * TY
+constexpr int kTileThreads = 256;          // reduce_channels_last_kernel, at most TX * TY
 constexpr int kFinishThreads = 256;        // finish_kernel, a warp per channel
 constexpr int kElementwiseThreads = 256;   // elementwise_kernel, 1-D
 constexpr int kCoefficientThreads = 256;   // coefficients_kernel, 1-D
 constexpr int kMaxTileChannels = 64;       // packs of channels per channels_last tile (TX)
 constexpr int kMergeThreads = 256;         // merge_gathered_kernel, 1-D over channels
-// The channels_last reduction's second bound: 1 block a multiprocessor at least, so ptxas gives
-// it the registers it needs (up to 128 a thread). With the first bound alone ptxas traded spills
-// for more resident blocks (sm_80, float64: 48 registers cut to 40 with 104 bytes of spills).
-constexpr int kTileMinBlocks = 1;
+// The channels_last reduction's second bound: 3 blocks (24 warps) a multiprocessor, so 80 registers at most.
+constexpr int kTileMinBlocks = 3;
 static_assert(kReduceThreads % 32 == 0 && kReduceThreads <= 32 * 32, "block_reduce: whole warps, 32 at most");
 static_assert(kFinishThreads % 32 == 0, "finish_kernel: whole warps");
 static_assert(kMaxTileChannels <= kTileThreads, "a channels_last tile holds at least one row");

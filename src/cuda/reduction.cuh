@@ -103,19 +103,19 @@ __global__ void __launch_bounds__(kFinishThreads)
   if (lane == 0) op.finish(c, acc);
 }
 
-// Op::kMaxLanes where Op sets it, else no limit. (A trait, not a C++20 requires-expression:
-// torch before 2.12 builds extensions as C++17.)
+// Op::kMaxLanes where Op sets it, else 4: 8 lanes of Sums spilled from kTileMinBlocks' 80 registers.
+// (A trait, not a C++20 requires-expression: torch before 2.12 builds extensions as C++17.)
 template <typename Op, typename = void>
 struct MaxLanes {
-  static constexpr int value = 1 << 30;
+  static constexpr int value = 4;
 };
 template <typename Op>
 struct MaxLanes<Op, std::void_t<decltype(Op::kMaxLanes)>> {
   static constexpr int value = int(Op::kMaxLanes);
 };
 
-// The channels a channels_last thread takes from a pack of V: V, or Op::kMaxLanes where Op
-// sets it (its accumulators for more lanes would not fit in kTileThreads' registers).
+// The channels a channels_last thread takes from a pack of V: V, or fewer where its accumulators
+// for V lanes would not fit in the registers of kTileMinBlocks blocks of kTileThreads (MaxLanes).
 template <typename Op, int V>
 constexpr int lanes_for() {
   return std::min(V, MaxLanes<Op>::value);

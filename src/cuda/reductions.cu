@@ -25,9 +25,8 @@ struct StatsOp {
   using Kind = Welford<T>;
   using Partial = Kind<double>;
   using State = acc_t;  // the pivot
-  // channels_last: 4 Welford lanes a thread (8-byte packs of halves); 8 lanes' float and double
-  // accumulators, with their pivots, spilled from the 128 registers that kTileThreads allow
-  static constexpr int kMaxLanes = 4;
+  // channels_last: 2 Welford lanes a thread; 4 lanes' float and double accumulators spilled from 80 registers
+  static constexpr int kMaxLanes = 2;
 
   const scalar_t* x;
   int64_t first_stride;  // x[c * first_stride] is channel c's first value: S contiguous, 1 channels_last
