@@ -25,7 +25,16 @@ The minimal barrier is an atomic count and nothing else: its waiters poll, yield
 and never sleep (no wake-up to pay, but where replicas outnumber cores a poll takes turns with a
 replica still working), or sleep at once (the core left to the others, a wake-up to pay).
 
-    python benchmarks/bench_barrier_floor.py [--quick] [--no-write]
+Writes the result ``barrier_floor`` (``benchmarks/results/barrier_floor.json``, see
+``benchmarks/results.py``; ``report.py`` puts it into RESULTS.md): a row per number of replicas
+and run, the ResNet's steps as ratios to the step meeting no one, the mm blocks as ratios to the
+independent blocks, and the share of the CPU the hypervisor stole meanwhile (a run is measured once
+more where it exceeded 5%, the less stolen kept); each row keeps its raw figures beside
+(``*_ms``, ``mm_n``, ``round_us``).
+
+    python benchmarks/bench_barrier_floor.py                       # R = 2 and 4, 3 runs each
+    python benchmarks/bench_barrier_floor.py --quick --no-write    # fewer steps and blocks; prints only
+    python benchmarks/bench_barrier_floor.py --repeats 1 --steps 20 --cycles 4 --results-dir /tmp/results
 
 The native part is built with ``torch.utils.cpp_extension.load_inline`` on the first run (about
 a minute; cached afterwards).
@@ -37,6 +46,9 @@ import functools
 import os
 import sys
 import time
+from dataclasses import asdict
+from pathlib import Path
+from statistics import median
 
 import torch
 from torch.utils import cpp_extension
@@ -44,8 +56,10 @@ from torch.utils import cpp_extension
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from bench_cpu import cpu_model, keyed_markers, least_stolen, publish, stolen_text  # noqa: E402
+import results  # noqa: E402
+from timing import least_stolen  # noqa: E402
 from bench_sync_overhead import MeetingNoOne, resnet_row  # noqa: E402
+from results import Column  # noqa: E402
 from syncbn.functions.synchronization.replicas import ReplicaRound, usable_cores  # noqa: E402
 
 SRC = os.path.join(ROOT, "src")
@@ -234,58 +248,89 @@ def floor_row(replicas: int, segment: float, rounds: int, cycles: int) -> dict[s
     return {"n": n, **dict(zip(WAYS, per_round))}
 
 
+COLUMNS = [
+    Column("replicas", "R"),
+    Column("ours", "ResNet: our meetings / meeting no one", "{:.3f}x"),
+    Column("polling", "ResNet: barriers polling / meeting no one", "{:.3f}x"),
+    Column("sleeping", "ResNet: barriers sleeping / meeting no one", "{:.3f}x"),
+    Column("mm_polling", "mm: barrier polling / independent", "{:.3f}x"),
+    Column("mm_sleeping", "mm: barrier sleeping / independent", "{:.3f}x"),
+    Column("mm_round", "mm: our ReplicaRound / independent", "{:.3f}x"),
+    Column("stolen", "CPU stolen", "{:.0%}"),
+]
+
+
+def measured_row(replicas: int, run: int, args: argparse.Namespace) -> dict:
+    """One run with R replicas: the ResNet's steps and the mm blocks, as ratios, raw figures beside."""
+    cores = usable_cores()  # as the layers' rounds count them
+    variants = {"polling": MeetingAtABarrier, "sleeping": MeetingAtASleepingBarrier}
+
+    def measure() -> tuple[dict, dict]:
+        native().set_layer_barriers(replicas)
+        step = {key: median(blocks) for key, blocks in resnet_row(replicas, args.steps, variants=variants).items()}
+        segment = step["alone"] * min(cores, replicas) / replicas / MEETINGS
+        return step, floor_row(replicas, segment, args.rounds, args.cycles)
+
+    (step, floor), stolen = least_stolen(measure)
+    out = {"replicas": replicas, "run": run, **{key: step[key] / step["alone"] for key in ("ours", "polling", "sleeping")}}
+    out.update({f"mm_{way}": floor[way] / floor["independent"] for way in ("polling", "sleeping")})
+    out.update(mm_round=floor["ReplicaRound"] / floor["independent"], stolen=stolen, converted_over_unsynced=step["ours"] / step["torch"],
+               mm_n=floor["n"], round_us=floor["independent"] * 1e6, **{f"{key}_ms": t * 1e3 for key, t in step.items()})
+    print(" | ".join(results.cell(out.get(c.key), c.format) for c in COLUMNS), flush=True)
+    return out
+
+
+def span(values: list[float]) -> str:
+    """Ratios over runs: "1.051x", or "1.041-1.070x"."""
+    low, high = min(values), max(values)
+    return f"{low:.3f}x" if f"{low:.3f}" == f"{high:.3f}" else f"{low:.3f}-{high:.3f}x"
+
+
+def summary(rows: list[dict]) -> str:
+    """What the table says, from its figures: our meetings against the floor, in the net and in the mm rounds."""
+    counts = sorted({r["replicas"] for r in rows})
+
+    def each(figure) -> str:  # the figure's span over the runs, for each number of replicas
+        return " and ".join(f"{span([figure(r) for r in rows if r['replicas'] == n])} with {n}" for n in counts)
+
+    return (
+        f"Against the small ResNet's step whose layers meet no one, our {MEETINGS} meetings a step take "
+        f"{each(lambda r: r['ours'])} replicas, and layers that only wait at a barrier exchanging nothing "
+        f"{each(lambda r: min(r['polling'], r['sleeping']))} (the cheaper waiting of each run): the floor that waiting "
+        f"for the slowest replica sets on this machine. In rounds of equal native work, our ReplicaRound takes "
+        f"{each(lambda r: r['mm_round'])} threads of the independent rounds' time, the cheaper minimal barrier "
+        f"{each(lambda r: min(r['mm_polling'], r['mm_sleeping']))}."
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
-    parser.add_argument("--no-write", action="store_true", help="print, do not touch RESULTS.md")
-    parser.add_argument("--repeats", type=int, default=3, help="runs for each number of replicas")
-    parser.add_argument("--rounds", type=int, default=20, help="rounds a block")
+    parser.add_argument("--quick", action="store_true", help="60 ResNet steps and 20 mm blocks (default: off, 200 and 60)")
+    parser.add_argument("--repeats", type=int, default=3, choices=range(1, 11), metavar="1..10",
+                        help="runs for each number of replicas (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=20, help="mm rounds a block (default: %(default)s)")
+    parser.add_argument("--steps", type=int, help="ResNet steps of each contender (default: 200, 60 with --quick)")
+    parser.add_argument("--cycles", type=int, help="mm blocks of each way (default: 60, 20 with --quick)")
+    parser.add_argument("--no-write", action="store_true", help="print the result, write no file (default: write it)")
+    parser.add_argument("--results-dir", type=Path, default=results.RESULTS_DIR,
+                        help="where barrier_floor.json goes (default: benchmarks/results)")
     args = parser.parse_args()
+    args.steps = args.steps or (60 if args.quick else 200)
+    args.cycles = args.cycles or (20 if args.quick else 60)
     torch.set_num_threads(1)
     native()  # built before anything is timed
-    steps, cycles = (60, 20) if args.quick else (200, 60)
-    cores = usable_cores()  # as the layers' rounds count them
-    capability = torch.backends.cpu.get_cpu_capability()
-    begin, end = keyed_markers("bench_barrier_floor", capability.lower())
-    lines = [
-        begin,
-        "## What a barrier alone costs (bench_barrier_floor.py)",
-        "",
-        f"Machine: {cores}-core {cpu_model()} ({capability}) VM, no GPU; torch {torch.__version__}; "
-        f"{time.strftime('%Y-%m-%d')}. The small ResNet of bench_sync_overhead.py (17 batch norms, 34 meetings a "
-        f"step), one training step under R thread replicas, one intra-op thread, {steps} steps of each contender "
-        f"alternating, medians: converted (our meeting); its layers waiting where they would meet at a minimal "
-        f"barrier (exchanging nothing) whose waiters poll, or sleep; its layers meeting no one; unsynced. Ratios "
-        f"against meeting no one. Then R native threads doing one n x n float32 mm a round, a round taking the CPU "
-        f"time a replica spends between two meetings (the step meeting no one x the cores the R replicas share, "
-        f"at most {cores}, / R / {MEETINGS}), in blocks of {args.rounds} rounds: independent, the minimal barrier polling, sleeping, our "
-        f"ReplicaRound, in turn, {cycles} blocks each; ratios against the independent blocks.",
-        "",
-        "| R | run | ResNet: our meetings | ResNet: barriers polling | ResNet: barriers sleeping | ResNet: converted / "
-        "unsynced | mm n (a round) | mm: barrier polling | mm: barrier sleeping | mm: our ReplicaRound | CPU stolen |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    variants = {"polling": MeetingAtABarrier, "sleeping": MeetingAtASleepingBarrier}
-    for replicas in (2, 4):
-        for repeat in range(args.repeats):
-            def measure() -> tuple[dict, dict]:
-                native().set_layer_barriers(replicas)
-                step = resnet_row(replicas, steps, variants=variants)
-                segment = step["alone"] * min(cores, replicas) / replicas / MEETINGS
-                return step, floor_row(replicas, segment, args.rounds, cycles)
-
-            (step, floor), stolen = least_stolen(measure)
-            ratios = [step[key] / step["alone"] for key in ("ours", "polling", "sleeping")]
-            ratios += [step["ours"] / step["torch"]]
-            barriers = [floor[way] / floor["independent"] for way in WAYS[1:]]
-            lines.append(
-                f"| {replicas} | {repeat + 1} | " + " | ".join(f"{r:.3f}x" for r in ratios)
-                + f" | {floor['n']} ({floor['independent'] * 1e6:.0f} us) | "
-                + " | ".join(f"{r:.3f}x" for r in barriers) + f" | {stolen_text(stolen)} |"
-            )
-            print(lines[-1], flush=True)
-    lines.append(end)
-    publish("\n".join(lines), not args.no_write, begin, end)
+    rows = [measured_row(replicas, run + 1, args) for replicas in (2, 4) for run in range(args.repeats)]
+    result = dict(
+        title="What a barrier alone costs",
+        method=f"The small ResNet of bench_sync_overhead.py under R thread replicas, one intra-op thread, {args.steps} "
+               f"steps of each contender alternating, medians; then R native threads doing one n x n float32 mm a round "
+               f"(the CPU time a replica spends between two meetings), in blocks of {args.rounds} rounds that take each way "
+               f"of meeting in turn, {args.cycles} blocks each, a block's time its slowest thread's.",
+        columns=COLUMNS, rows=rows, summary=summary(rows), meetings=MEETINGS, cores=usable_cores(),
+    )
+    print(results.table({**result, "columns": [asdict(c) for c in COLUMNS]}), result["summary"], sep="\n\n")
+    if not args.no_write:
+        print("wrote", results.write("barrier_floor", directory=args.results_dir, **result))
 
 
 if __name__ == "__main__":

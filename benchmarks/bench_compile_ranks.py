@@ -9,15 +9,21 @@ optimizer). Every rank runs the same fixed sequence (collectives need all ranks)
 contenders taken in turn over rounds, a fixed number of steps each; the slowest rank's median
 counts. Compilation happens before timing (one warm-up step each).
 
-    python benchmarks/bench_compile_ranks.py [--quick] [--no-write]
+Writes the result ``compile_ranks`` (``benchmarks/results/compile_ranks.json``, see
+``benchmarks/results.py``; ``report.py`` puts it into RESULTS.md, ``plots.py`` draws
+``docs/img/compile_ranks.png`` from it): a row per model, eager and compiled in ms and their ratio.
+
+    python benchmarks/bench_compile_ranks.py                        # 10 steps a round, 7 rounds
+    python benchmarks/bench_compile_ranks.py --quick --no-write     # 3 steps, 3 rounds; prints only
+    python benchmarks/bench_compile_ranks.py --steps 1 --rounds 2 --results-dir /tmp/results
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from statistics import median
 
@@ -28,11 +34,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 
-from bench_cpu import cpu_model, publish  # noqa: E402
+import results  # noqa: E402
 from bench_sync_overhead import small_resnet  # noqa: E402
+from results import Column  # noqa: E402
 from testkit.local_group import run_local_group  # noqa: E402
 
-BEGIN, END = "<!-- bench_compile_ranks: begin -->", "<!-- bench_compile_ranks: end -->"
 CONTENDERS = ("ours eager", "ours compiled", "torch eager", "torch compiled")
 
 
@@ -70,37 +76,57 @@ def rank_times(rank: int, world: int, steps: int, rounds: int) -> dict[str, floa
     return {name: median(values) for name, values in samples.items()}
 
 
-def report(times: dict[str, float]) -> str:
-    ms = {name: t * 1e3 for name, t in times.items()}
-    lines = [
-        BEGIN,
-        "## torch.compile across ranks (bench_compile_ranks.py)",
-        "",
-        f"Machine: {os.cpu_count()}-core {cpu_model()}, no GPU; torch {torch.__version__}; {datetime.date.today()}. The small ResNet "
-        "(17 batch norms, residual adds), a local batch of (8, 3, 16, 16) float32, one training step under DDP "
-        "over 2 Gloo ranks (one intra-op thread each), ms, the slowest rank's median:",
-        "",
-        "| model | eager | compiled (fullgraph, Inductor) | compiled / eager |",
-        "|---|---|---|---|",
-    ]
-    for who in ("ours", "torch"):
-        eager, compiled = ms[f"{who} eager"], ms[f"{who} compiled"]
-        label = "ours (synchronized)" if who == "ours" else "torch's nn.BatchNorm2d (unsynced)"
-        lines.append(f"| {label} | {eager:.2f} | {compiled:.2f} | {compiled / eager:.2f}x |")
-    lines.append(END)
-    return "\n".join(lines)
+COLUMNS = [
+    Column("model", "model"),
+    Column("eager_ms", "eager, ms", "{:.2f}"),
+    Column("compiled_ms", "compiled (fullgraph, Inductor), ms", "{:.2f}"),
+    Column("ratio", "compiled / eager", "{:.2f}x"),
+]
+
+
+def table_rows(times: dict[str, float]) -> list[dict]:
+    """A row per model: the slowest rank's eager and compiled step, in ms."""
+    rows = []
+    for who, label in (("ours", "ours (synchronized)"), ("torch", "torch's nn.BatchNorm2d (unsynced)")):
+        eager, compiled = times[f"{who} eager"] * 1e3, times[f"{who} compiled"] * 1e3
+        rows.append({"model": label, "who": who, "eager_ms": round(eager, 3), "compiled_ms": round(compiled, 3),
+                     "ratio": round(compiled / eager, 4)})
+    return rows
+
+
+def summary(rows: list[dict]) -> str:
+    """What the table says: what compiling does to each model's step, and ours against torch's."""
+    ours, theirs = rows
+    return (
+        f"Under torch.compile our synchronized model's DDP step takes {ours['ratio']:.2f}x the time of its eager step, "
+        f"torch's unsynced model's {theirs['ratio']:.2f}x. Compiled, ours takes "
+        f"{ours['compiled_ms'] / theirs['compiled_ms']:.2f}x torch's unsynced step ({ours['eager_ms'] / theirs['eager_ms']:.2f}x eager)."
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
-    parser.add_argument("--no-write", action="store_true", help="print, do not touch RESULTS.md")
+    parser.add_argument("--quick", action="store_true", help="3 steps a round, 3 rounds (default: off, 10 and 7)")
+    parser.add_argument("--steps", type=int, help="steps of each contender a round (default: 10, 3 with --quick)")
+    parser.add_argument("--rounds", type=int, help="rounds taking the contenders in turn (default: 7, 3 with --quick)")
+    parser.add_argument("--no-write", action="store_true", help="print the result, write no file (default: write it)")
+    parser.add_argument("--results-dir", type=Path, default=results.RESULTS_DIR,
+                        help="where compile_ranks.json goes (default: benchmarks/results)")
     args = parser.parse_args()
-    steps, rounds = (3, 3) if args.quick else (10, 7)
+    steps = args.steps or (3 if args.quick else 10)
+    rounds = args.rounds or (3 if args.quick else 7)
     per_rank = run_local_group(rank_times, 2, steps, rounds, timeout_s=1200)
-    times = {name: max(rank[name] for rank in per_rank) for name in CONTENDERS}
-    text = report(times)
-    publish(text, not args.no_write, BEGIN, END)
+    rows = table_rows({name: max(rank[name] for rank in per_rank) for name in CONTENDERS})
+    result = dict(
+        title="torch.compile across ranks",
+        method=f"The small ResNet (17 batch norms, residual adds), a local batch of (8, 3, 16, 16) float32, one training "
+               f"step under DDP over 2 Gloo ranks (one intra-op thread each), {steps} steps of each contender in each of "
+               f"{rounds} rounds taken in turn, compiled after one warm-up step; the slowest rank's median.",
+        columns=COLUMNS, rows=rows, summary=summary(rows),
+    )
+    print(results.table({**result, "columns": [asdict(c) for c in COLUMNS]}), result["summary"], sep="\n\n")
+    if not args.no_write:
+        print("wrote", results.write("compile_ranks", directory=args.results_dir, **result))
 
 
 if __name__ == "__main__":

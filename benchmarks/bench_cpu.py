@@ -1,59 +1,52 @@
 """CPU benchmark: nn.BatchNorm against our layers on one replica and under ThreadedDataParallel.
 
-For each case (shape, layout, dtype) it times, with torch.utils.benchmark in one run:
-  - forward (training mode, input requiring grad, as in a training step), and
-  - forward + backward (torch.autograd.grad of the output for the input, weight and bias)
-of nn.BatchNorm (the reference for every ratio), of our layer on one replica (the synchronized
-Function through the compiled kernels, which is what a lone CPU replica runs), and of our layer
-under ThreadedDataParallel with 2 and 4 replicas on the same total batch. It also measures the
-device copy bandwidth and the peak memory that one forward + backward allocates (from the
-profiler's allocation events), and writes the tables into benchmarks/RESULTS.md.
+Part ``layers`` (result ``cpu_layers``): per case (shape, layout, dtype), forward (training mode,
+input requiring grad) and forward + backward (torch.autograd.grad for input, weight and bias) of
+nn.BatchNorm (the reference of every ratio), of our layer on one replica (what a lone CPU replica
+runs), and of our layer under ThreadedDataParallel with 2 and 4 replicas on the same total batch;
+and, in a fresh process, how far one forward + backward raises the resident memory.
 
-A second part times frozen batch norm and the fused residual + activation, forward + backward
-(gradients for every input and parameter), against what a user runs without them:
-  - frozen: ``nn.BatchNorm2d`` in eval mode with trainable weight and bias, against ours with
-    ``frozen=True``;
-  - fused: ``nn.BatchNorm2d`` (training), ``+ z`` and ReLU run separately, against ours with
-    ``activation='relu'`` called as ``layer(x, z)``; and the same with frozen statistics.
+Part ``fused`` (result ``cpu_fused``): forward + backward (gradients for every input and
+parameter) of ``nn.BatchNorm2d`` in eval mode with trainable affine against ours with
+``frozen=True``, and of ``nn.BatchNorm2d`` + ``z`` + ReLU run separately against ours with
+``activation='relu'`` called as ``layer(x, z)``, with batch and with frozen statistics.
 
-    python benchmarks/bench_cpu.py                 # every case, ~5 minutes on 2 cores
+Each part writes ``benchmarks/results/<name>.json`` (``benchmarks/results.py``), from which
+``python benchmarks/report.py`` makes RESULTS.md.
+
+    python benchmarks/bench_cpu.py                 # both parts, every case, ~5 minutes on 2 cores
     python benchmarks/bench_cpu.py --quick         # the (32, 64, 56, 56) float32 cases only
     python benchmarks/bench_cpu.py --part fused    # only the frozen and fused part
+    python benchmarks/bench_cpu.py --quick --no-write   # print the tables, write nothing
+
+The other benchmarks share its helpers: interleaved timing, steal time, the copy bandwidth, the
+memory and the allocator; the timing helpers are in ``timing.py``, the output ones in ``results.py``.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import gc
+import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils import benchmark
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from syncbn.functions import backend_info  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results import Column, add_output_options, output, span  # noqa: E402
+from timing import copy_bandwidth_gbs, interleaved_medians  # noqa: E402
 from syncbn import nn as NN  # noqa: E402
 from syncbn.modules.parallel import ThreadedDataParallel  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
-BEGIN, END = "<!-- bench_cpu:begin -->", "<!-- bench_cpu:end -->"
-FUSED_BEGIN, FUSED_END = "<!-- bench_cpu_fused:begin -->", "<!-- bench_cpu_fused:end -->"
-
-
-def keyed_markers(name: str, key: str) -> tuple[str, str]:
-    """The markers of benchmark ``name``'s section for ``key`` (a backend, a CPU capability), where
-    RESULTS.md keeps one section per key so that each machine's run stays beside the others."""
-    return f"<!-- {name}:{key}:begin -->", f"<!-- {name}:{key}:end -->"
-T = TypeVar("T")
+Row = dict[str, Any]
+CONTENDERS = ("torch", "ours x1", "threads x2", "threads x4")
 
 
 @dataclass(frozen=True)
@@ -62,9 +55,16 @@ class Case:
     channels_last: bool
     dtype: torch.dtype
 
+    def layout(self) -> str:
+        return "channels_last" if self.channels_last else ("NCHW" if len(self.shape) == 4 else "(N, C)")
+
+    def fields(self) -> Row:
+        """The case as a row names it: its label, layout and dtype."""
+        dtype = str(self.dtype).replace("torch.", "")
+        return {"case": f"{self.shape} {self.layout()} {dtype}", "layout": self.layout(), "dtype": dtype}
+
     def label(self) -> str:
-        layout = "channels_last" if self.channels_last else ("NCHW" if len(self.shape) == 4 else "(N, C)")
-        return f"{self.shape} {layout} {str(self.dtype).replace('torch.', '')}"
+        return self.fields()["case"]
 
     def input(self) -> torch.Tensor:
         x = torch.randn(self.shape, dtype=self.dtype)
@@ -107,29 +107,6 @@ def step_functions(model: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict[
     return {"forward": forward, "forward+backward": forward_backward}
 
 
-def median_ms(fn: Callable[[], object], min_run_time: float) -> float:
-    """Median time of fn in ms, with torch's intra-op threads as set in this process (Timer's
-    own default is 1 thread)."""
-    fn()  # warm up (allocator, thread pool)
-    timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
-
-
-def interleaved_medians(fns: dict, min_run_time: float, rounds: int = 5) -> dict:
-    """Median ms of each fn over ``rounds`` rounds that take every fn in turn: on a VM whose
-    steal time comes in bursts, a burst then slows one round of each, not all rounds of one."""
-    timers = {}
-    for name, fn in fns.items():
-        fn()  # warm up (allocator, thread pool)
-        timers[name] = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    samples: dict = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, timer in timers.items():
-            measurement = timer.blocked_autorange(min_run_time=min_run_time / rounds)
-            samples[name] += measurement.times
-    return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
-
-
 def _status_kb(field: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
@@ -155,6 +132,11 @@ def keep_freed_blocks() -> bool:
     return _mallopt((M_MMAP_THRESHOLD, 32 * 2**20), (M_TRIM_THRESHOLD, 2**30))
 
 
+def allocator() -> str:
+    """Keeps freed blocks where it can (keep_freed_blocks) and says which allocator times."""
+    return "glibc malloc, freed blocks kept (see keep_freed_blocks)" if keep_freed_blocks() else "default allocator"
+
+
 def peak_memory_mb(fn: Callable[[], object]) -> float | None:
     """How far the process's resident memory rose above where it stood, at most, during fn
     (Linux: VmHWM after resetting it through /proc/self/clear_refs; every thread counts).
@@ -170,160 +152,103 @@ def peak_memory_mb(fn: Callable[[], object]) -> float | None:
         return None
 
 
-def copy_bandwidth_gbs(min_run_time: float) -> float:
-    x = torch.randn(32, 64, 56, 56)
-    y = torch.empty_like(x)
-    ms = median_ms(lambda: y.copy_(x), min_run_time)
-    return 2 * x.numel() * x.element_size() / (ms * 1e-3) / 1e9
+def time_row(case: Case, min_run_time: float) -> Row:
+    """The case's medians (ms): ``<contender>_ms`` forward + backward, ``<contender>_forward_ms``;
+    and the ratios the table shows, against torch."""
+    x = case.input()
+    dy = torch.randn_like(x)
+    fns = {(name, what): fn for name, model in layers(case).items() for what, fn in step_functions(model, x, dy).items()}
+    t = interleaved_medians(fns, min_run_time)
+    row = case.fields()
+    for name in CONTENDERS:
+        key = name.replace(" ", "_")
+        row[f"{key}_ms"], row[f"{key}_forward_ms"] = t[name, "forward+backward"], t[name, "forward"]
+        row[key] = t[name, "forward+backward"] / t["torch", "forward+backward"]
+    row["ours_x1_forward"] = t["ours x1", "forward"] / t["torch", "forward"]
+    print(row["case"], {name: round(t[name, "forward+backward"], 2) for name in CONTENDERS}, flush=True)
+    return row
 
 
-def time_rows(quick: bool, min_run_time: float) -> list[str]:
-    rows = []
-    for case in cases(quick):
-        x = case.input()
-        dy = torch.randn_like(x)
-        fns = {(name, what): fn for name, model in layers(case).items() for what, fn in step_functions(model, x, dy).items()}
-        times = interleaved_medians(fns, min_run_time)
-        row = [case.label()]
-        for what in ("forward", "forward+backward"):
-            base = times["torch", what]
-            row.append(f"{base:.2f}")
-            row += [f"{times[n, what]:.2f} ({times[n, what] / base:.2f}x)" for n in ("ours x1", "threads x2", "threads x4")]
-        rows.append("| " + " | ".join(row) + " |")
-        print(rows[-1], flush=True)
-    return rows
+def memory_row(case: Case) -> Row:
+    """The input's MB and each contender's ``<contender>_peak_mb`` (None where unknown), measured in
+    this process: run it where freed blocks go back to the OS (see memory_in_a_fresh_process)."""
+    x = case.input()
+    dy = torch.randn_like(x)
+    row: Row = {"input_mb": x.numel() * x.element_size() / 2**20}
+    for name, model in layers(case).items():
+        step = step_functions(model, x, dy)["forward+backward"]
+        step()
+        row[name.replace(" ", "_") + "_peak_mb"] = peak_memory_mb(step)
+    return row
 
 
-def memory_rows(quick: bool) -> list[str]:
-    """One row per case, measured in this process: run it where freed blocks go back to the OS
-    (see measure_memory_in_a_fresh_process)."""
-    rows = []
-    for case in cases(quick):
-        x = case.input()
-        dy = torch.randn_like(x)
-        row = [case.label(), f"{x.numel() * x.element_size() / 2**20:.0f}"]
-        for model in layers(case).values():
-            step = step_functions(model, x, dy)["forward+backward"]
-            step()
-            peak = peak_memory_mb(step)
-            row.append("n/a" if peak is None else f"{peak:.0f}")
-        rows.append("| " + " | ".join(row) + " |")
-    return rows
-
-
-def measure_memory_in_a_fresh_process(quick: bool) -> list[str]:
-    """Memory rows from a fresh process whose glibc serves every block over 128 KiB by mmap and
-    unmaps it when freed, so that the resident set follows the tensors alive (in this process,
-    the timing's allocator settings keep freed blocks resident)."""
+def memory_in_a_fresh_process(quick: bool) -> list[Row]:
+    """memory_row of every case, from a fresh process whose glibc serves every block over 128 KiB
+    by mmap and unmaps it when freed, so that the resident set follows the tensors alive (here the
+    timing's allocator settings keep freed blocks resident)."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
     command = [sys.executable, os.path.abspath(__file__), "--memory-rows", *(["--quick"] if quick else [])]
     out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if line.startswith("| ")]
+    return json.loads(out.splitlines()[-1])
 
 
-def report(times: list[str], memory: list[str], bandwidth: float, min_run_time: float, allocator: str) -> str:
-    return "\n".join([
-        BEGIN,
-        "## CPU (`benchmarks/bench_cpu.py`)",
-        "",
-        machine_line(bandwidth, min_run_time, allocator),
-        "",
-        "`ours x1` is our layer on one replica (the synchronized Function through the compiled "
-        "kernels); `threads xR` is `ThreadedDataParallel` over R CPU replicas on the same total "
-        "batch. Forward is a training-mode forward of an input that requires grad; "
-        "forward+backward adds `torch.autograd.grad` for input, weight and bias.",
-        "",
-        "| case | torch fwd | ours x1 fwd | threads x2 fwd | threads x4 fwd "
-        "| torch fwd+bwd | ours x1 fwd+bwd | threads x2 fwd+bwd | threads x4 fwd+bwd |",
-        "|---|---|---|---|---|---|---|---|---|",
-        *times,
-        "",
-        "Peak memory of one forward + backward: how far the resident set rose above its level "
-        "before the step (MB; the input and dy, allocated before, are not counted):",
-        "",
-        "| case | input | torch | ours x1 | threads x2 | threads x4 |",
-        "|---|---|---|---|---|---|",
-        *memory,
-        END,
-    ])
+LAYER_COLUMNS = [
+    Column("case", "input"),
+    Column("torch_ms", "nn.BatchNorm, ms", "{:.2f}"),
+    Column("ours_x1", "ours x1, x torch", "{:.2f}x"),
+    Column("threads_x2", "threads x2, x torch", "{:.2f}x"),
+    Column("threads_x4", "threads x4, x torch", "{:.2f}x"),
+    Column("ours_x1_forward", "ours x1 forward only, x torch", "{:.2f}x"),
+    Column("torch_peak_mb", "nn.BatchNorm peak, MB", "{:.0f}"),
+    Column("ours_x1_peak_mb", "ours x1 peak, MB", "{:.0f}"),
+]
 
 
-def _cpu_ticks() -> tuple[int, int] | None:
-    """(stolen, all) clock ticks of the machine's CPUs since boot, from /proc/stat's first line
-    (user nice system idle iowait irq softirq steal ...; guest time is counted in user already);
-    None where unknown."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
-    if len(fields) < 9 or fields[0] != "cpu":
-        return None
-    ticks = [int(value) for value in fields[1:9]]
-    return ticks[7], sum(ticks)
+def memory_text(rows: list[Row]) -> tuple[str, str]:
+    """What the peaks say, for one replica and for 4 threads ("" where unknown)."""
+    rows = [r for r in rows if None not in (r["torch_peak_mb"], r["ours_x1_peak_mb"], r["threads_x4_peak_mb"])
+            and r["torch_peak_mb"] > 0]
+    if not rows:
+        return "", ""
+    if max(abs(r["ours_x1_peak_mb"] - r["torch_peak_mb"]) for r in rows) <= 1:
+        one = " and the same peak memory (within 1 MB)"
+    else:
+        one = f" and {span(r['ours_x1_peak_mb'] / r['torch_peak_mb'] for r in rows)} its peak memory"
+    four = span((r["threads_x4_peak_mb"] / r["torch_peak_mb"] for r in rows), digits=1)
+    return one, f", and {four} its peak memory with 4"
 
 
-class StolenShare:
-    """Within a ``with`` block, the share of the machine's CPU time that the hypervisor gave to
-    other guests (steal time): ``share``, 0 to 1, None where /proc/stat does not say. A VM's
-    timings are comparable only between spells of like steal."""
-
-    share: float | None = None
-
-    def __enter__(self) -> "StolenShare":
-        self._start = _cpu_ticks()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        end = _cpu_ticks()
-        if self._start is not None and end is not None and end[1] > self._start[1]:
-            self.share = (end[0] - self._start[0]) / (end[1] - self._start[1])
-
-
-def least_stolen(measure: Callable[[], T], tries: int = 2, calm: float = 0.05) -> tuple[T, float | None]:
-    """``measure()``, taken again (``tries`` in all) while the hypervisor stole more than ``calm``
-    of the CPU time during it: the result of the least stolen try, with its stolen share. Every
-    contender of a row is in each try, so a retry favours none of them."""
-    best: tuple[T, float | None] | None = None
-    for _ in range(tries):
-        with StolenShare() as stolen:
-            result = measure()
-        if best is None or (stolen.share is not None and (best[1] is None or stolen.share < best[1])):
-            best = (result, stolen.share)
-        if stolen.share is None or stolen.share <= calm:
-            break
-    assert best is not None
-    return best
-
-
-def stolen_text(share: float | None) -> str:
-    """A stolen share as a row prints it: "3%", or "?" where unknown."""
-    return "?" if share is None else f"{share:.0%}"
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what platform says."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_line(bandwidth: float, min_run_time: float, allocator: str) -> str:
-    cpu = f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
+def layers_summary(rows: list[Row]) -> str:
+    dtypes = dict.fromkeys(r["dtype"] for r in rows)
+    per_dtype = ", ".join(f"{d} {span(r['ours_x1'] for r in rows if r['dtype'] == d)}" for d in dtypes)
+    one, four = memory_text(rows)
     return (
-        f"Machine: {os.cpu_count()}-core {cpu} VM, {torch.get_num_threads()} torch threads, no GPU; "
-        f"torch {torch.__version__}, Python {platform.python_version()}; backends {backend_info()}; "
-        f"{datetime.date.today().isoformat()}. Copy bandwidth (32x64x56x56 float32, read + write): "
-        f"{bandwidth:.1f} GB/s. Medians of `torch.utils.benchmark` blocked_autorange "
-        f"(min_run_time {min_run_time} s per contender, in 5 rounds that take the contenders in "
-        f"turn), in ms; ratios against torch in the same run; "
-        f"{allocator}."
+        f"On one replica ours takes {span(r['ours_x1'] for r in rows)} the time of nn.BatchNorm forward + "
+        f"backward{f' ({per_dtype})' if len(dtypes) > 1 else ''}{one}. Under ThreadedDataParallel the same total "
+        f"batch takes {span(r['threads_x2'] for r in rows)} its time with 2 replicas and "
+        f"{span(r['threads_x4'] for r in rows)} with 4 on this {os.cpu_count()}-core machine{four}."
     )
+
+
+def timing_method(min_run_time: float, bandwidth: float, allocator: str) -> Callable[[str], str]:
+    """The method sentence of an interleaved CPU timing, given what was timed."""
+    return lambda what: (
+        f"Medians of torch.utils.benchmark blocked_autorange with {torch.get_num_threads()} torch threads over 5 "
+        f"rounds that take the contenders in turn (min_run_time {min_run_time} s per contender in all); {what}; "
+        f"copy bandwidth {bandwidth:.1f} GB/s; {allocator}."
+    )
+
+
+def run_layers(args: argparse.Namespace, method: Callable[[str], str]) -> None:
+    rows = [time_row(case, args.min_run_time) for case in cases(args.quick)]
+    for row, memory in zip(rows, memory_in_a_fresh_process(args.quick)):
+        row.update(memory)
+    what = ("forward + backward is a training-mode forward and torch.autograd.grad for input, weight and bias; "
+            "`ours x1` is our layer on one replica, `threads xR` ThreadedDataParallel over R CPU replicas on the "
+            "same total batch; peak memory is how far one step raised the resident set, in a fresh process")
+    title = "CPU: forward + backward against nn.BatchNorm, one replica and ThreadedDataParallel"
+    output(args, "cpu_layers", title=title, method=method(what), columns=LAYER_COLUMNS, rows=rows,
+           summary=layers_summary(rows), min_run_time=args.min_run_time)
 
 
 def fused_cases(quick: bool) -> list[Case]:
@@ -344,13 +269,13 @@ class TorchUnfused(nn.Module):
 
 
 def fused_contenders(C: int) -> dict[str, tuple[nn.Module, nn.Module, bool]]:
-    """name: (torch's module, ours, takes z), with equal parameters and running statistics
+    """key: (torch's module, ours, takes z), with equal parameters and running statistics
     (float32, as under autocast); modules that are to be frozen are set so."""
     frozen_torch = nn.BatchNorm2d(C).eval()  # weight and bias still require grad
     return {
         "frozen": (frozen_torch, NN.BatchNorm2d(C, frozen=True), False),
-        "BN+add+ReLU": (TorchUnfused(nn.BatchNorm2d(C)), NN.BatchNorm2d(C, activation="relu"), True),
-        "frozen BN+add+ReLU": (TorchUnfused(nn.BatchNorm2d(C).eval()), NN.BatchNorm2d(C, frozen=True, activation="relu"), True),
+        "fused": (TorchUnfused(nn.BatchNorm2d(C)), NN.BatchNorm2d(C, activation="relu"), True),
+        "frozen_fused": (TorchUnfused(nn.BatchNorm2d(C).eval()), NN.BatchNorm2d(C, frozen=True, activation="relu"), True),
     }
 
 
@@ -361,84 +286,67 @@ def fused_step(model: nn.Module, x: torch.Tensor, z: torch.Tensor | None, dy: to
     return lambda: torch.autograd.grad(model(*args), inputs, dy)
 
 
-def fused_rows(quick: bool, min_run_time: float) -> list[str]:
-    rows = []
-    for case in fused_cases(quick):
-        x = case.input()
-        z, dy = torch.randn_like(x).requires_grad_(), torch.randn_like(x)
-        for name, (theirs, ours, takes_z) in fused_contenders(case.shape[1]).items():
-            medians = interleaved_medians({m: fused_step(m, x, z if takes_z else None, dy) for m in (theirs, ours)}, min_run_time)
-            times = [medians[theirs], medians[ours]]
-            rows.append(f"| {case.label()} | {name} | {times[0]:.2f} | {times[1]:.2f} | {times[1] / times[0]:.2f}x |")
-            print(rows[-1], flush=True)
-    return rows
+FUSED = {"frozen": "frozen", "fused": "BN+add+ReLU", "frozen_fused": "frozen BN+add+ReLU"}
+FUSED_COLUMNS = [Column("case", "input")] + [
+    column for key, label in FUSED.items()
+    for column in (Column(f"{key}_torch_ms", f"{label}: torch, ms", "{:.2f}"),
+                   Column(key, f"{label}: ours, x torch", "{:.2f}x"))
+]
 
 
-def fused_report(rows: list[str], bandwidth: float, min_run_time: float, allocator: str) -> str:
-    return "\n".join([
-        FUSED_BEGIN,
-        "## CPU: frozen batch norm and fused residual + activation (`bench_cpu.py --part fused`)",
-        "",
-        machine_line(bandwidth, min_run_time, allocator),
-        "",
-        "Forward + backward (`torch.autograd.grad` for the input, the residual z where there is "
-        "one, weight and bias). `frozen`: `nn.BatchNorm2d` in eval mode with trainable weight and "
-        "bias against ours with `frozen=True` (in training mode). `BN+add+ReLU`: `nn.BatchNorm2d` "
-        "(training), `+ z` and `F.relu` run separately against ours with `activation='relu'` "
-        "called as `layer(x, z)`. `frozen BN+add+ReLU`: the same with statistics frozen (torch's in "
-        "eval mode).",
-        "",
-        "| case | what | torch, separately | ours, fused | ratio |",
-        "|---|---|---|---|---|",
-        *rows,
-        FUSED_END,
-    ])
+def fused_row(case: Case, min_run_time: float) -> Row:
+    """Per contender: ``<key>_torch_ms``, ``<key>_ours_ms`` and the ratio ``<key>``."""
+    x = case.input()
+    z, dy = torch.randn_like(x).requires_grad_(), torch.randn_like(x)
+    row = case.fields()
+    for key, (theirs, ours, takes_z) in fused_contenders(case.shape[1]).items():
+        t = interleaved_medians({m: fused_step(m, x, z if takes_z else None, dy) for m in (theirs, ours)}, min_run_time)
+        row.update({f"{key}_torch_ms": t[theirs], f"{key}_ours_ms": t[ours], key: t[ours] / t[theirs]})
+    print(row["case"], {key: round(row[key], 2) for key in FUSED}, flush=True)
+    return row
 
 
-def publish(section: str, write: bool, begin: str = BEGIN, end: str = END) -> None:
-    """Print ``section``, and put it into RESULTS.md when ``write`` (see :func:`write_results`)."""
-    print(section)
-    if write:
-        write_results(section, begin, end)
+def fused_summary(rows: list[Row]) -> str:
+    ratios = [row[key] for row in rows for key in FUSED]
+    slower = [r for r in ratios if r > 1]
+    tail = (f"ours is slower in {len(slower)} of {len(ratios)} cases (up to {max(slower):.2f}x)" if slower
+            else "ours is faster in every case")
+    return (
+        f"Frozen, ours takes {span(r['frozen'] for r in rows)} the time of nn.BatchNorm2d in eval mode with "
+        f"trainable weight and bias; fused BN + add + ReLU {span(r['fused'] for r in rows)} the time of torch's "
+        f"three separate ops, and {span(r['frozen_fused'] for r in rows)} with frozen statistics. Against torch, {tail}."
+    )
 
 
-def write_results(section: str, begin: str = BEGIN, end: str = END) -> None:
-    """Put ``section`` (which starts with ``begin`` and ends with ``end``) into RESULTS.md in
-    place of the one between those markers, or at its end."""
-    text = open(RESULTS).read() if os.path.exists(RESULTS) else "# Benchmark results\n"
-    if begin in text and end in text:
-        text = text[: text.index(begin)] + section + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    with open(RESULTS, "w") as f:
-        f.write(text)
+def run_fused(args: argparse.Namespace, method: Callable[[str], str]) -> None:
+    rows = [fused_row(case, args.min_run_time) for case in fused_cases(args.quick)]
+    what = ("forward + backward with gradients for the input, the residual z where there is one, weight and bias; "
+            "`frozen`: nn.BatchNorm2d in eval mode with trainable weight and bias against ours with frozen=True; "
+            "`BN+add+ReLU`: nn.BatchNorm2d (training), + z and F.relu run separately against ours with "
+            "activation='relu' called as layer(x, z); `frozen BN+add+ReLU`: the same, statistics frozen")
+    output(args, "cpu_fused", title="CPU: frozen batch norm and fused residual + activation, forward + backward",
+           method=method(what), columns=FUSED_COLUMNS, rows=rows, summary=fused_summary(rows),
+           min_run_time=args.min_run_time)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="only (32, 64, 56, 56) float32")
+    parser.add_argument("--quick", action="store_true", help="only (32, 64, 56, 56) float32 (default: every case)")
     parser.add_argument("--part", choices=["all", "layers", "fused"], default="all",
-                        help="layers: nn.BatchNorm against ours and ThreadedDataParallel; fused: frozen and fused")
-    parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per measurement")
-    parser.add_argument("--no-write", action="store_true", help="print, do not touch RESULTS.md")
+                        help="layers: cpu_layers; fused: cpu_fused; all: both (default: all)")
+    parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per contender and case (default: 1.0)")
+    add_output_options(parser)
     parser.add_argument("--memory-rows", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_rows:
-        print("\n".join(memory_rows(args.quick)))
+        print(json.dumps([memory_row(case) for case in cases(args.quick)]))
         return
     torch.manual_seed(0)
-    allocator = "glibc malloc, freed blocks kept (see keep_freed_blocks)" if keep_freed_blocks() else "default allocator"
-    bandwidth = copy_bandwidth_gbs(args.min_run_time)
-    sections = []
+    method = timing_method(args.min_run_time, copy_bandwidth_gbs(args.min_run_time), allocator())
     if args.part in ("all", "layers"):
-        times = time_rows(args.quick, args.min_run_time)
-        memory = measure_memory_in_a_fresh_process(args.quick)
-        sections.append((report(times, memory, bandwidth, args.min_run_time, allocator), BEGIN, END))
+        run_layers(args, method)
     if args.part in ("all", "fused"):
-        rows = fused_rows(args.quick, args.min_run_time)
-        sections.append((fused_report(rows, bandwidth, args.min_run_time, allocator), FUSED_BEGIN, FUSED_END))
-    for section, begin, end in sections:
-        publish(section, not args.no_write, begin, end)
+        run_fused(args, method)
 
 
 if __name__ == "__main__":

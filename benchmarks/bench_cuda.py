@@ -9,8 +9,8 @@ For each case (shape, layout, dtype) it times, with torch.utils.benchmark in one
     ``batch_norm_backward_elemt``);
   - ours: the same sequence through our kernels (``local_stats``, the merge, ``elemt_forward``,
     ``backward_reduce``, ``backward_elemt``);
-  - ours frozen (issue 6): ``elemt_forward`` + ``backward_affine_act`` (dx and the sums);
-  - ours fused BN+ReLU+add (issue 6): ``local_stats``, ``elemt_forward`` with residual and ReLU,
+  - ours frozen: ``elemt_forward`` + ``backward_affine_act`` (dx and the sums);
+  - ours fused BN+ReLU+add: ``local_stats``, ``elemt_forward`` with residual and ReLU,
     ``backward_affine_act`` (g and its sums), ``backward_elemt`` of g.
 Traffic models (passes over a tensor of the input's size): batch norm forward+backward 8
 (forward reads x twice and writes y; backward reads dy and x twice and writes dx); frozen 5
@@ -18,31 +18,34 @@ Traffic models (passes over a tensor of the input's size): batch norm forward+ba
 x, z and g, then g, x and dx). Inputs rotate over enough buffers that together they are at
 least 4x the L2 cache, so that L2 does not flatter small cases.
 
-    python benchmarks/bench_cuda.py                # every case; writes benchmarks/RESULTS.md
-    python benchmarks/bench_cuda.py --quick        # (64, 256, 56, 56) only
+Writes ``benchmarks/results/cuda.json`` (``benchmarks/results.py``): per case the times (ms), our
+ratios against cuDNN and torch's ops, and each fraction of the copy bandwidth; ``python
+benchmarks/report.py`` makes RESULTS.md from it.
 
-Where CUDA is not available it says so and exits 0.
+    python benchmarks/bench_cuda.py --min-run-time 0.2     # every case (26)
+    python benchmarks/bench_cuda.py --quick --no-write     # (64, 256, 56, 56) only, print only
+
+Where CUDA is not available it says so and exits 0, writing nothing.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
-import platform
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch.utils import benchmark
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from syncbn.functions import backend_info  # noqa: E402
-from syncbn.functions.operators import backend
-from bench_cpu import Case, publish  # noqa: E402  (benchmarks/ is on the path as a script)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from syncbn.functions.operators import backend  # noqa: E402
+from bench_cpu import Case  # noqa: E402
+from results import add_output_options, output, span  # noqa: E402
+from results import Column  # noqa: E402
 
-BEGIN, END = "<!-- bench_cuda:begin -->", "<!-- bench_cuda:end -->"
 EPS = 1e-5
 PASSES = {"bn": 8, "frozen": 5, "fused": 11}
 
@@ -161,56 +164,89 @@ def fraction(passes: int, case: Case, ms: float, bandwidth_gbs: float) -> float:
     return passes * case_bytes(case) / (ms * 1e-3) / 1e9 / bandwidth_gbs
 
 
-def time_rows(quick: bool, min_run_time: float) -> list[str]:
-    rows = []
-    for case in cases(quick):
-        buffers = Rotating(case)
-        times = {name: median_ms(fn, min_run_time) for name, fn in step_functions(case, buffers).items()}
-        bandwidth = 2 * case_bytes(case) / (times["copy"] * 1e-3) / 1e9
-        cells = [case.label(), f"{bandwidth:.0f}"]
-        for name in ("cudnn", "torch ops"):
-            cells.append(f"{times[name]:.3f} ({fraction(8, case, times[name], bandwidth):.0%})")
-        if "ours" in times:
-            t = times["ours"]
-            cells.append(f"{t:.3f} ({fraction(8, case, t, bandwidth):.0%})")
-            cells.append(f"{t / times['torch ops']:.2f}x / {t / times['cudnn']:.2f}x")
-            cells.append(f"{times['ours frozen']:.3f} ({fraction(5, case, times['ours frozen'], bandwidth):.0%})")
-            cells.append(f"{times['ours fused']:.3f} ({fraction(11, case, times['ours fused'], bandwidth):.0%})")
-        else:
-            cells += ["not built"] * 4
-        rows.append("| " + " | ".join(cells) + " |")
-        print(rows[-1], flush=True)
-        del buffers
-        torch.cuda.empty_cache()
-    return rows
+NAMES = {"cudnn": "cudnn", "torch ops": "ops", "ours": "ours", "ours frozen": "frozen", "ours fused": "fused"}
+MODEL = {"cudnn": "bn", "ops": "bn", "ours": "bn", "frozen": "frozen", "fused": "fused"}
 
 
-def report(rows: list[str], min_run_time: float) -> str:
-    props = torch.cuda.get_device_properties(0)
-    return "\n".join([
-        BEGIN,
-        "## CUDA (`benchmarks/bench_cuda.py`)",
-        "",
-        f"Device: {props.name} ({props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs); "
-        f"torch {torch.__version__} (CUDA {torch.version.cuda}), Python {platform.python_version()}; "
-        f"backends {backend_info()}; {datetime.date.today().isoformat()}. Medians of "
-        f"`torch.utils.benchmark` blocked_autorange (min_run_time {min_run_time} s), in ms, forward + "
-        "backward; in parentheses the fraction of the copy bandwidth (GB/s, `y.copy_(x)` of the "
-        "same size, same run) that the traffic model implies: 8 passes for batch norm, 5 frozen, "
-        "11 fused BN+ReLU+add. Inputs rotate over buffers of 4x the L2 size.",
-        "",
-        "| case | copy GB/s | cuDNN | torch SyncBN ops | ours | ours vs ops / cuDNN | ours frozen | ours fused |",
-        "|---|---|---|---|---|---|---|---|",
-        *rows,
-        END,
-    ])
+def time_row(case: Case, min_run_time: float) -> dict[str, Any]:
+    """The case's times (``<name>_ms``), each one's fraction of the copy bandwidth
+    (``<name>_bandwidth``) and our ratios; ours None where our kernels are not built."""
+    buffers = Rotating(case)
+    times = {name: median_ms(fn, min_run_time) for name, fn in step_functions(case, buffers).items()}
+    copy_ms = times.pop("copy")
+    times = {NAMES[name]: ms for name, ms in times.items()}
+    del buffers
+    torch.cuda.empty_cache()
+    copy_gbs = 2 * case_bytes(case) / (copy_ms * 1e-3) / 1e9
+    row: dict[str, Any] = {**case.fields(), "copy_gbs": copy_gbs}
+    for name in MODEL:
+        ms = times.get(name)
+        row[f"{name}_ms"] = ms
+        row[f"{name}_bandwidth"] = None if ms is None else fraction(PASSES[MODEL[name]], case, ms, copy_gbs)
+    ours = times.get("ours")
+    row["ours_vs_ops"] = None if ours is None else ours / times["ops"]
+    row["ours_vs_cudnn"] = None if ours is None else ours / times["cudnn"]
+    print(row["case"], {name: round(ms, 3) for name, ms in times.items()}, flush=True)
+    return row
+
+
+TITLE = "CUDA: forward + backward against cuDNN and torch's SyncBN ops"
+COLUMNS = [
+    Column("case", "input"),
+    Column("cudnn_ms", "cuDNN, ms", "{:.3f}"),
+    Column("ops_ms", "torch SyncBN ops, ms", "{:.3f}"),
+    Column("ours_ms", "ours, ms", "{:.3f}"),
+    Column("ours_vs_ops", "ours, x ops", "{:.2f}x"),
+    Column("ours_vs_cudnn", "ours, x cuDNN", "{:.2f}x"),
+    Column("frozen_ms", "ours frozen, ms", "{:.3f}"),
+    Column("fused_ms", "ours fused BN+ReLU+add, ms", "{:.3f}"),
+]
+
+
+def method(min_run_time: float) -> str:
+    return (
+        f"Medians of torch.utils.benchmark blocked_autorange (min_run_time {min_run_time} s) of one forward + "
+        "backward, inputs rotating over buffers of 4x the L2 size; `torch SyncBN ops` is torch's SyncBatchNorm "
+        "kernel sequence on one replica, `ours` the same sequence through our kernels; each row also holds every "
+        "time as a fraction of the copy bandwidth (`y.copy_(x)` of the same size, same run) under traffic models "
+        f"of {PASSES['bn']} passes for batch norm, {PASSES['frozen']} frozen and {PASSES['fused']} fused."
+    )
+
+
+def layout_text(layout: str, rows: list[dict[str, Any]]) -> str:
+    """Our ratios on one layout: against the ops / cuDNN, with cuDNN's per dtype where there are several."""
+    dtypes = dict.fromkeys(r["dtype"] for r in rows)
+    per_dtype = ", ".join(f"{d} {span(r['ours_vs_cudnn'] for r in rows if r['dtype'] == d)}" for d in dtypes)
+    both = sum(r["ours_vs_ops"] < 1 and r["ours_vs_cudnn"] < 1 for r in rows)
+    return (
+        f"{layout} {span(r['ours_vs_ops'] for r in rows)} / {span(r['ours_vs_cudnn'] for r in rows)} "
+        f"(faster than both in {both} of {len(rows)} cases{f'; cuDNN {per_dtype}' if len(dtypes) > 1 else ''})"
+    )
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """What the table says, from its rows (the hand-written cuda.json's summary is made by this too)."""
+    built = [r for r in rows if r["ours_ms"] is not None]
+    if not built:
+        return "Our CUDA kernels were not built here: only cuDNN and torch's SyncBN ops were timed."
+    layouts = dict.fromkeys(r["layout"] for r in built)
+    worst = {key: max(built, key=lambda r: r[key]) for key in ("ours_vs_ops", "ours_vs_cudnn")}
+    best = {key: max(r[f"{key}_bandwidth"] for r in built) for key in ("ours", "frozen", "fused")}
+    return (
+        "Against torch's SyncBN ops / cuDNN, ours takes: "
+        f"{'; '.join(layout_text(layout, [r for r in built if r['layout'] == layout]) for layout in layouts)}. "
+        f"Its slowest case against the ops is {worst['ours_vs_ops']['case']} ({worst['ours_vs_ops']['ours_vs_ops']:.2f}x), "
+        f"against cuDNN {worst['ours_vs_cudnn']['case']} ({worst['ours_vs_cudnn']['ours_vs_cudnn']:.2f}x). Under the "
+        f"traffic models ours reaches up to {best['ours']:.0%} of the copy bandwidth in batch norm, {best['frozen']:.0%} "
+        f"frozen and {best['fused']:.0%} fused."
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="only (64, 256, 56, 56)")
-    parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per measurement")
-    parser.add_argument("--no-write", action="store_true", help="print, do not touch RESULTS.md")
+    parser.add_argument("--quick", action="store_true", help="only (64, 256, 56, 56) (default: every case)")
+    parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per measurement (default: 0.5)")
+    add_output_options(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_cuda: CUDA is not available (no GPU, or a CPU build of torch): nothing to measure")
@@ -220,8 +256,9 @@ def main() -> int:
     except RuntimeError as error:
         print(f"bench_cuda: {error}; timing torch's kernels only")
     torch.manual_seed(0)
-    section = report(time_rows(args.quick, args.min_run_time), args.min_run_time)
-    publish(section, not args.no_write, BEGIN, END)
+    rows = [time_row(case, args.min_run_time) for case in cases(args.quick)]
+    output(args, "cuda", title=TITLE, method=method(args.min_run_time), columns=COLUMNS, rows=rows,
+           summary=summary(rows), min_run_time=args.min_run_time, passes=PASSES)
     return 0
 
 

@@ -1,7 +1,5 @@
 """Synchronized batch norm across processes: time per layer and the collectives it runs.
 
-    python benchmarks/bench_distributed.py [--processes 2] [--number 50] [--repeats 5]
-
 Starts N local processes (Gloo on loopback, CPU, one intra-op thread each) and, in each of
 them, times forward + backward (with the input gradient, as inside a network) of ONE batch norm
 layer wrapped in DistributedDataParallel, with ``torch.utils.benchmark``: our
@@ -10,21 +8,32 @@ statistics) under the same DDP run, so that DDP's own gradient all_reduce is in 
 rank runs the same fixed number of iterations (collectives need all ranks), and the slowest
 rank's median is reported. Then it counts the collectives that our layers run per training
 step of a small net, with their sizes.
+
+Writes the result ``distributed`` (``benchmarks/results/distributed.json``, see
+``benchmarks/results.py``; ``report.py`` puts it into RESULTS.md): a row per input shape, and the
+collectives counted under ``collectives`` ({name: float64 elements sent per call by a rank}).
+
+    python benchmarks/bench_distributed.py                          # 2 processes, 50 iterations, 5 measurements
+    python benchmarks/bench_distributed.py --processes 4 --no-write  # prints only
+    python benchmarks/bench_distributed.py --number 5 --repeats 2 --results-dir /tmp/results
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from dataclasses import asdict
+from pathlib import Path
 from statistics import median
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils import benchmark
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import results  # noqa: E402  (benchmarks/ is on the path as a script)
+from results import Column  # noqa: E402
 from syncbn.functions import sync_batch_norm  # noqa: E402
 from testkit.collectives import count_collectives  # noqa: E402
 from testkit.local_group import run_local_group  # noqa: E402
@@ -85,28 +94,63 @@ def run_rank(rank: int, world: int, number: int, repeats: int) -> dict:
     return dict(times=times, counts=collectives_per_step())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--processes", type=int, default=2)
-    parser.add_argument("--number", type=int, default=50, help="iterations per measurement")
-    parser.add_argument("--repeats", type=int, default=5, help="measurements (median)")
-    args = parser.parse_args()
-    results = run_local_group(run_rank, args.processes, args.number, args.repeats, timeout_s=120)
-    print(f"torch {torch.__version__}, {args.processes} Gloo processes on loopback, 1 thread each, float32")
-    print(
-        "| per-rank input (N, C, H, W) | SyncBatchNorm2d under DDP | nn.BatchNorm2d under DDP | ratio "
-        "| our kernels alone (no DDP, no collectives) |"
-    )
-    print("|---|---|---|---|---|")
+COLUMNS = [
+    Column("shape", "per-rank input (N, C, H, W)"),
+    Column("ours_us", "SyncBatchNorm2d under DDP, us", "{:.0f}"),
+    Column("torch_us", "nn.BatchNorm2d under DDP, us", "{:.0f}"),
+    Column("ratio", "ours / torch's", "{:.2f}x"),
+    Column("alone_us", "our kernels alone (no DDP, no collectives), us", "{:.0f}"),
+]
+
+
+def table_rows(per_rank: list[dict]) -> list[dict]:
+    """A row per shape: the slowest rank's medians, in us."""
+    rows = []
     for shape in SHAPES:
-        ours, plain, alone = (max(r["times"][shape][k] for r in results) for k in range(3))
-        print(f"| {shape} | {ours * 1e6:.0f} us | {plain * 1e6:.0f} us | {ours / plain:.2f} | {alone * 1e6:.0f} us |")
-    counts = results[0]["counts"]
-    total = sum(len(v) for v in counts.values())
-    print(f"\ncollectives of our layers in one training step of a net with 3 SyncBatchNorm2d (16, 32, 64 channels): {total}")
-    for name, sizes in counts.items():
-        print(f"  {name}: {len(sizes)} calls, float64 elements sent per call by this rank: {sizes} "
-              f"({', '.join(f'{8 * n} B' for n in sizes)})")
+        ours, plain, alone = (max(r["times"][shape][k] for r in per_rank) * 1e6 for k in range(3))
+        rows.append({"shape": str(shape), "ours_us": round(ours, 2), "torch_us": round(plain, 2),
+                     "ratio": round(ours / plain, 4), "alone_us": round(alone, 2)})
+    return rows
+
+
+def summary(rows: list[dict], processes: int, counts: dict[str, list[int]]) -> str:
+    """What the table says, and the collectives counted."""
+    ratios = [r["ratio"] for r in rows]
+    extra = [r["ours_us"] - r["torch_us"] for r in rows]
+    calls = ", ".join(f"{len(sizes)} {name} of {min(sizes)}-{max(sizes)} float64" for name, sizes in counts.items() if sizes)
+    return (
+        f"Under DDP over {processes} Gloo processes one synchronized layer takes {min(ratios):.2f}-{max(ratios):.2f}x "
+        f"torch's per-rank batch norm ({min(extra):.0f}-{max(extra):.0f} us more), against "
+        f"{min(r['alone_us'] for r in rows):.0f}-{max(r['alone_us'] for r in rows):.0f} us for our kernels alone, without "
+        f"DDP or collectives. A training step of a net with 3 synchronized layers made {sum(map(len, counts.values()))} "
+        f"collectives of ours: {calls} (elements a rank sends)."
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--processes", type=int, default=2, help="Gloo processes (default: %(default)s)")
+    parser.add_argument("--number", type=int, default=50, help="iterations per measurement (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=5, help="measurements, their median counts (default: %(default)s)")
+    parser.add_argument("--no-write", action="store_true", help="print the result, write no file (default: write it)")
+    parser.add_argument("--results-dir", type=Path, default=results.RESULTS_DIR,
+                        help="where distributed.json goes (default: benchmarks/results)")
+    args = parser.parse_args()
+    per_rank = run_local_group(run_rank, args.processes, args.number, args.repeats, timeout_s=120)
+    rows = table_rows(per_rank)
+    counts = {name: list(sizes) for name, sizes in per_rank[0]["counts"].items()}
+    result = dict(
+        title="Synchronized batch norm across processes (Gloo, CPU)",
+        method=f"Forward + backward (input gradient) of one layer under DistributedDataParallel on {args.processes} Gloo "
+               f"processes on loopback, one intra-op thread each, float32: medians of {args.repeats} measurements of "
+               f"{args.number} iterations, the slowest rank's; our kernels alone run functions.sync_batch_norm without "
+               f"DDP or a process group.",
+        columns=COLUMNS, rows=rows, summary=summary(rows, args.processes, counts), processes=args.processes,
+        collectives=counts,
+    )
+    print(results.table({**result, "columns": [asdict(c) for c in COLUMNS]}), result["summary"], sep="\n\n")
+    if not args.no_write:
+        print("wrote", results.write("distributed", directory=args.results_dir, **result))
 
 
 if __name__ == "__main__":

@@ -20,18 +20,26 @@ a fresh process per trial.
 The convolutions' own backward holds workspace beyond its input and output (in the contiguous
 layout about two full-size tensors, the same for every contender), which the ratio carries too.
 
-    python benchmarks/bench_memory.py [--batch 16] [--budget-mib 1024] [--quick] [--no-write]
+Writes the result ``memory`` (``benchmarks/results/memory.json``, see ``benchmarks/results.py``;
+``report.py`` puts it into RESULTS.md, ``plots.py`` draws ``docs/img/memory.png`` from it): a row per
+layout and contender, with its peak over resting memory, its ratio to torch's, and the largest batch
+that fits the budget (torch and ``ours-inplace``); the batch and the budget are kept as ``batch`` and
+``budget_mib``.
+
+    python benchmarks/bench_memory.py                              # batch 16, a 1024 MiB budget
+    python benchmarks/bench_memory.py --quick --no-write           # batch 4, a 256 MiB budget; prints only
+    python benchmarks/bench_memory.py --quick --budget-mib 16 --results-dir /tmp/results
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import gc
 import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,14 +48,13 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench_cpu import cpu_model, publish  # noqa: E402  (benchmarks/ is on the path as a script)
-from syncbn.functions import backend_info  # noqa: E402
+import results  # noqa: E402  (benchmarks/ is on the path as a script)
+from results import Column  # noqa: E402
 from syncbn import nn as NN  # noqa: E402
 
 CONTENDERS = ("torch", "ours-fused", "ours-inplace")
 LAYOUTS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
 BLOCKS, CHANNELS, SIDE, CLASSES = 8, 64, 64, 10
-BEGIN, END = "<!-- bench_memory: begin -->", "<!-- bench_memory: end -->"
 MIB = 2**20
 
 
@@ -121,50 +128,77 @@ def largest_batch(kind: str, layout: str, budget: int, low: int, high: int) -> i
     return best
 
 
-def report(batch: int, rows: list[dict], budget: int, fits: dict[tuple[str, str], int]) -> str:
-    torch_over = {r["layout"]: r["over"] for r in rows if r["kind"] == "torch"}
-    lines = [
-        BEGIN,
-        "## Activation memory of a training step (bench_memory.py)",
-        "",
-        f"Machine: {os.cpu_count()}-core {cpu_model()}, no GPU; torch {torch.__version__}; kernels {backend_info()['cpu']}; "
-        f"{datetime.date.today()}. {BLOCKS} blocks of conv 3x3 + batch norm + LeakyReLU, {CHANNELS} channels, "
-        f"a pooled linear head, batch ({batch}, 3, {SIDE}, {SIDE}) float32, cross-entropy; the step's peak resident "
-        "memory over the resting memory, each contender in a fresh process.",
-        "",
-        "| layout | contender | step peak over resting (MiB) | against torch |",
-        "|---|---|---|---|",
+def columns(budget_mib: int) -> list[Column]:
+    return [
+        Column("layout", "layout"),
+        Column("contender", "contender"),
+        Column("over_mib", "step peak over resting, MiB", "{:.1f}"),
+        Column("ratio", "against torch", "{:.3f}x"),
+        Column("fits", f"largest batch within {budget_mib} MiB", "{}"),
     ]
-    for r in rows:
-        ratio = r["over"] / torch_over[r["layout"]]
-        lines.append(f"| {r['layout']} | {r['kind']} | {r['over'] / MIB:.1f} | {ratio:.3f}x |")
-    lines += ["", f"Largest batch whose step fits {budget // MIB} MiB over resting memory:", ""]
-    lines += [f"- {layout}, {kind}: {fits[kind, layout]}" for kind, layout in fits]
-    lines.append(END)
-    return "\n".join(lines)
+
+
+def table_rows(measured: list[dict], fits: dict[tuple[str, str], int]) -> list[dict]:
+    """A row per layout and contender: the peak over resting memory, its ratio to torch's in the
+    same layout, and the largest batch that fits the budget where searched."""
+    torch_over = {r["layout"]: r["over"] for r in measured if r["kind"] == "torch"}
+    return [
+        {"layout": r["layout"], "contender": r["kind"], "over_mib": round(r["over"] / MIB, 2),
+         "ratio": round(r["over"] / torch_over[r["layout"]], 4), "fits": fits.get((r["kind"], r["layout"])),
+         "resting_mib": round(r["resting"] / MIB, 2)}
+        for r in measured
+    ]
+
+
+def summary(rows: list[dict], budget_mib: int) -> str:
+    """What the table says: each of ours against torch, and the batches the budget fits."""
+    def find(layout: str, contender: str) -> dict:
+        return next(r for r in rows if r["layout"] == layout and r["contender"] == contender)
+
+    def each(contender: str, key: str, pattern: str) -> str:
+        return " and ".join(pattern.format(find(layout, contender)[key]) for layout in LAYOUTS)
+
+    return (
+        f"Above resting memory, InPlaceABN's training step needs {each('ours-inplace', 'ratio', '{:.2f}x')} of what "
+        f"torch's batch norm + LeakyReLU needs in the {' and '.join(LAYOUTS)} layouts (SyncBatchNorm2d with its fused "
+        f"activation: {each('ours-fused', 'ratio', '{:.2f}x')}). Within {budget_mib} MiB it fits a batch of "
+        f"{each('ours-inplace', 'fits', '{}')}, torch's layers {each('torch', 'fits', '{}')}."
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--budget-mib", type=int, default=1024, help="the budget of the largest-batch search")
-    parser.add_argument("--quick", action="store_true", help="batch 4, budget 256 MiB")
-    parser.add_argument("--no-write", action="store_true", help="print, do not touch RESULTS.md")
+    parser.add_argument("--batch", type=int, help="batch of the measured step (default: 16, 4 with --quick)")
+    parser.add_argument("--budget-mib", type=int, help="the budget of the largest-batch search (default: 1024, 256 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="batch 4, budget 256 MiB (default: off)")
+    parser.add_argument("--no-write", action="store_true", help="print the result, write no file (default: write it)")
+    parser.add_argument("--results-dir", type=Path, default=results.RESULTS_DIR,
+                        help="where memory.json goes (default: benchmarks/results)")
     parser.add_argument("--one", choices=CONTENDERS, help=argparse.SUPPRESS)  # a fresh process's own run
     parser.add_argument("--layout", choices=list(LAYOUTS), default="contiguous", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    batch = args.batch or (4 if args.quick else 16)
     if args.one:
-        print(json.dumps(measure_step(args.one, args.batch, args.layout)))
+        print(json.dumps(measure_step(args.one, batch, args.layout)))
         return
-    batch, budget = (4, 256 * MIB) if args.quick else (args.batch, args.budget_mib * MIB)
-    rows = [in_fresh_process(kind, batch, layout) for layout in LAYOUTS for kind in CONTENDERS]
-    for r in rows:
+    budget_mib = args.budget_mib or (256 if args.quick else 1024)
+    measured = [in_fresh_process(kind, batch, layout) for layout in LAYOUTS for kind in CONTENDERS]
+    for r in measured:
         print(f"{r['layout']:>13} {r['kind']:>13}: {r['over'] / MIB:8.1f} MiB over {r['resting'] / MIB:.1f} MiB resting")
-    high = 4 * batch * budget // max(1, rows[0]["over"]) + 1
-    fits = {(kind, layout): largest_batch(kind, layout, budget, 1, high) for layout in LAYOUTS for kind in ("torch", "ours-inplace")}
-    text = report(batch, rows, budget, fits)
-    publish(text, not args.no_write, BEGIN, END)
+    high = 4 * batch * budget_mib * MIB // max(1, measured[0]["over"]) + 1
+    fits = {(kind, layout): largest_batch(kind, layout, budget_mib * MIB, 1, high) for layout in LAYOUTS for kind in ("torch", "ours-inplace")}
+    rows = table_rows(measured, fits)
+    result = dict(
+        title="Activation memory of a training step",
+        method=f"{BLOCKS} blocks of conv 3x3 + batch norm + LeakyReLU ({CHANNELS} channels) and a pooled linear head, "
+               f"batch ({batch}, 3, {SIDE}, {SIDE}) float32, cross-entropy: the step's peak resident memory over the "
+               f"resting memory, each contender in a fresh process, and the largest batch within the budget by bisection.",
+        columns=columns(budget_mib), rows=rows, summary=summary(rows, budget_mib), batch=batch, budget_mib=budget_mib,
+    )
+    print(results.table({**result, "columns": [asdict(c) for c in result["columns"]]}), result["summary"], sep="\n\n")
+    if not args.no_write:
+        print("wrote", results.write("memory", directory=args.results_dir, **result))
 
 
 if __name__ == "__main__":

@@ -1,47 +1,46 @@
 """What synchronizing costs per layer, where kernels cost nothing: the host's price of a meeting.
 
-Per layer = (step with 16 stacked layers - step with 1 layer) / 15, a step being forward +
-backward (the input requires grad, as inside a network) of a tiny (8, 8, 4, 4) float32 input:
+Writes the result ``sync_overhead`` (``benchmarks/results/sync_overhead.json``, see
+``benchmarks/results.py``; ``report.py`` puts it into RESULTS.md, ``plots.py`` draws
+``docs/img/sync_overhead.png`` from it): a row per path, in microseconds, with ours, torch's
+unsynced layer in the same setting, what synchronizing adds, and of that the meeting (the
+collectives in place, the ResNet's meetings) and our own part. Per layer = (step with 16 stacked
+layers - step with 1 layer) / 15, a step being forward + backward (the input requires grad, as
+inside a network) of a tiny (8, 8, 4, 4) float32 input, one intra-op thread; the ResNet's rows
+are per training step, the bare exchange's per exchange:
 
 - threads: ``ThreadedDataParallel(["cpu"] * R)`` over our ``SyncBatchNorm2d`` against
-  ``nn.BatchNorm2d`` (unsynced) in the same wrapper, R = 2, 4, 8; ``torch.utils.benchmark``
-  ``blocked_autorange``, the contenders taken in turn over rounds, medians; our replicas meet
-  natively (one call per layer and direction, the default) and through the autograd Function in
-  Python (the in-place activated layers' path), whose replicas exchange Python objects at the same
-  native meeting;
-- a small ResNet (stem + 8 basic blocks: 17 batch norms, residual adds; batch 16x3x16x16), one
-  training step (forward, loss, backward) under 4 thread replicas, converted against unsynced,
-  and the converted net whose layers meet no one (each replica normalizing its own chunk through
-  the same native call: what our layer costs in the step without the meeting), with one intra-op
-  thread and with the process's default (the replicas share those; and torch's
-  step once more with every replica starting a team of all of them, as before the share); the
-  contenders alternate step by step, medians of single steps (blocks of steps taken in turn
-  let a slow spell of the VM fall on one contender: 0.95x and 1.10x in two runs of one day);
-  measured first, while ThreadedDataParallel's pool of worker threads holds only theirs (after
-  the rows of up to 8 replicas the runners rotate through a dozen pooled threads, which measured
-  1.03x where a fresh process measured 1.10x);
-- processes: R Gloo ranks on loopback (one intra-op thread each) under DDP, ours against
-  ``nn.BatchNorm2d``, and the two collectives of a layer alone (an all_gather of a 14 + 2C row,
-  an all_reduce of 2C + 4 values, float64) in the same processes, and in place: torch's layer
-  making the same two collectives where ours makes them (forward, backward), which bears the
-  ranks' skew between collectives as ours does; every rank runs the same fixed
-  number of steps (collectives need all ranks), all contenders taken in turn over rounds (the
-  collectives' own time drifts between runs on a VM), the slowest rank's median counts; with the
-  checks read at each layer (CPU tensors' default) and deferred (CUDA's default, here
-  ``checks.DEFER_ON_HOST``);
-- our own part across processes without the collectives: this process posing as a rank of a
-  world of 2 whose collectives cost nothing;
-- the bare exchange: R threads meeting in ``ReplicaRound.exchange`` with a trivial combine;
-- a lone replica's fixed cost: our ``SyncBatchNorm2d`` with no wrapper and no process group
-  against ``nn.BatchNorm2d``, forward + backward (input, weight and bias gradients) of a
-  (2, 64, 4, 4) float32 input, as ``bench_toolchain.py`` times ``BatchNorm2d``'s.
+  ``nn.BatchNorm2d`` (unsynced) in the same wrapper, R = 2, 4, 8; our replicas meeting natively
+  (one call per layer and direction, the default) and through the autograd Function in Python
+  (the in-place activated layers' path), whose replicas exchange Python objects;
+- processes: R Gloo ranks on loopback under DDP, ours against ``nn.BatchNorm2d`` and against
+  torch's layer making our two collectives where ours makes them (the meeting in place, with the
+  ranks' skew between collectives); every rank runs the same fixed number of steps, the slowest
+  rank of each repeat counts; checks read at each layer (CPU tensors' default) and deferred
+  (``checks.DEFER_ON_HOST``, CUDA's default); the two collectives back to back are kept as
+  ``collectives_alone_us``;
+- our own part across processes without the collectives: this process posing as a rank of a world
+  of 2 whose collectives cost nothing;
+- a lone replica's fixed cost: our ``SyncBatchNorm2d`` with no wrapper and no process group against
+  ``nn.BatchNorm2d``, on ``bench_toolchain.FIXED_COST_SHAPE``;
+- a small ResNet (stem + 8 basic blocks: 17 batch norms) per training step under 4 thread
+  replicas, converted against unsynced, and the converted net whose layers meet no one (each
+  replica normalizing its own chunk through the same native call); with one intra-op thread and
+  the process's default (shared among the replicas; and torch's step once more with every replica
+  starting a team of all of them); the contenders alternate step by step (blocks of steps taken in
+  turn let a slow spell of a VM fall on one contender), measured first, while
+  ThreadedDataParallel's pool of worker threads holds only theirs;
+- the bare exchange: R threads meeting in ``ReplicaRound.exchange`` with a trivial combine.
 
-Each row says what share of the VM's CPU time the hypervisor gave to other guests while it ran
-(steal time, ``bench_cpu.StolenShare``), and is measured once more where that exceeded 5%, the
-less stolen of the two kept (``bench_cpu.least_stolen``): rows measured through a burst of steal
-swung by more than the goals between runs of the same code.
+A cost is the difference of the contenders' medians over the rounds, and its noise half the range
+of that difference over the rounds (the ResNet's: over blocks of alternating steps); a cost within
+its noise is written "within noise (±X us)", one below zero "none (X ± N less)". Each row keeps
+the share of the VM's CPU time the hypervisor stole while it ran (``timing.StolenShare``) and
+is measured once more where that exceeded 5%, the less stolen of the two kept.
 
-    python benchmarks/bench_sync_overhead.py [--quick] [--no-write]
+    python benchmarks/bench_sync_overhead.py                        # every row, writes the result
+    python benchmarks/bench_sync_overhead.py --quick --no-write     # 2 and 4 replicas, 2 ranks; prints only
+    python benchmarks/bench_sync_overhead.py --quick --rounds 2 --steps 20 --results-dir /tmp/results
 """
 from __future__ import annotations
 
@@ -51,9 +50,11 @@ import os
 import sys
 import threading
 import time
-from unittest import mock
+from dataclasses import asdict
+from pathlib import Path
 from statistics import median
 from typing import Callable
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -64,10 +65,12 @@ from torch.utils import benchmark
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from bench_cpu import cpu_model, interleaved_medians, keyed_markers, least_stolen, publish, stolen_text  # noqa: E402
+import results  # noqa: E402
+from timing import least_stolen  # noqa: E402
 from bench_toolchain import FIXED_COST_SHAPE, fixed_cost_steps  # noqa: E402
+from results import Column  # noqa: E402
 from syncbn.functions.operators import backend  # noqa: E402
-from syncbn.functions.synchronization import checks, distributed
+from syncbn.functions.synchronization import checks, distributed  # noqa: E402
 from syncbn.functions.synchronization.replicas import ReplicaRound  # noqa: E402
 from helpers import BasicBlock  # noqa: E402
 import syncbn.modules.batchnorm  # noqa: E402
@@ -93,20 +96,41 @@ def per_layer(deep: float, shallow: float) -> float:
     return (deep - shallow) / (DEEP - 1)
 
 
-def interleaved(timers: dict, min_run_time: float, rounds: int) -> dict:
-    """Median seconds of each timer, the timers taken in turn over ``rounds``."""
-    samples: dict = {key: [] for key in timers}
+Samples = dict  # a figure's key -> its seconds in each round (or repeat, or block of steps)
+Cost = tuple[float, float]  # seconds, and its noise
+
+
+def interleaved(timers: dict, min_run_time: float, rounds: int) -> Samples:
+    """Each timer's median seconds in each of ``rounds`` rounds that take the timers in turn."""
+    samples: Samples = {key: [] for key in timers}
     for timer in timers.values():
         timer.timeit(3)  # workers started, caches warm
     for _ in range(rounds):
         for key, timer in timers.items():
             samples[key].append(timer.blocked_autorange(min_run_time=min_run_time).median)
-    return {key: median(values) for key, values in samples.items()}
+    return samples
 
 
-def threads_row(replicas: int, min_run_time: float, rounds: int, native: bool) -> tuple[float, float]:
-    """Per-layer seconds of ours and of torch's unsynced layer under R thread replicas; ours
-    in one native call each, or through the autograd Function in Python."""
+def layer_samples(t: Samples, key: Callable[[int], object] = lambda depth: depth) -> list[float]:
+    """Per-layer seconds in each round, from the rounds of the deep and the shallow stack."""
+    return [per_layer(deep, shallow) for deep, shallow in zip(t[key(DEEP)], t[key(1)])]
+
+
+def spread(values: list[float]) -> float:
+    """A figure's noise: half its range over the repeats."""
+    return (max(values) - min(values)) / 2 if len(values) > 1 else 0.0
+
+
+def cost(plus: list[list[float]], minus: list[list[float]]) -> Cost:
+    """The medians of ``plus`` summed less those of ``minus``, with the noise of that sum taken
+    repeat by repeat (the lists hold one figure per repeat)."""
+    per_repeat = [sum(s[r] for s in plus) - sum(s[r] for s in minus) for r in range(len(plus[0]))]
+    return sum(map(median, plus)) - sum(map(median, minus)), spread(per_repeat)
+
+
+def threads_row(replicas: int, min_run_time: float, rounds: int, native: bool) -> tuple[list[float], list[float]]:
+    """Per-layer seconds, round by round, of ours and of torch's unsynced layer under R thread
+    replicas; ours in one native call each, or through the autograd Function in Python."""
     timers = {
         (kind, depth): step_of(ThreadedDataParallel(stack(layer, depth), ["cpu"] * replicas), SHAPE[0])
         for kind, layer in (("ours", NN.SyncBatchNorm2d), ("torch", nn.BatchNorm2d))
@@ -114,7 +138,7 @@ def threads_row(replicas: int, min_run_time: float, rounds: int, native: bool) -
     }
     with mock.patch.object(syncbn.modules.batchnorm, "native_serves", syncbn.modules.batchnorm.native_serves if native else lambda: False):
         t = interleaved(timers, min_run_time, rounds)
-    return per_layer(t["ours", DEEP], t["ours", 1]), per_layer(t["torch", DEEP], t["torch", 1])
+    return layer_samples(t, lambda depth: ("ours", depth)), layer_samples(t, lambda depth: ("torch", depth))
 
 
 def small_resnet(channels: int = 16, blocks: int = 8) -> nn.Module:
@@ -127,16 +151,18 @@ def small_resnet(channels: int = 16, blocks: int = 8) -> nn.Module:
     )
 
 
-def alternating(timers: dict, steps: int) -> dict:
-    """Median seconds of one run of each timer, the timers run in turn one run at a time, so that
-    every contender meets the same moments of a noisy machine."""
+def alternating(timers: dict, steps: int, blocks: int = 1) -> Samples:
+    """Each timer's median seconds of one run in each of ``blocks`` blocks of ``steps`` runs in
+    all, the timers run in turn one run at a time, so that every contender meets the same moments
+    of a noisy machine."""
     samples: dict = {key: [] for key in timers}
     for timer in timers.values():
         timer.timeit(3)  # workers started, caches warm
     for _ in range(steps):
         for key, timer in timers.items():
             samples[key].append(timer.timeit(1).median)
-    return {key: median(values) for key, values in samples.items()}
+    size = max(1, steps // blocks)
+    return {key: [median(v[b * size:(b + 1) * size]) for b in range(min(blocks, steps))] for key, v in samples.items()}
 
 
 def resnet_step(model: nn.Module, replicas: int, threads: int) -> benchmark.Timer:
@@ -164,24 +190,21 @@ def with_layers_of(model: nn.Module, kind: type) -> nn.Module:
     return model
 
 
-def meeting_no_one(model: nn.Module) -> nn.Module:
-    return with_layers_of(model, MeetingNoOne)
-
-
-def resnet_row(replicas: int, steps: int, threads: int = 1, variants: dict[str, type] | None = None) -> dict[str, float]:
+def resnet_row(replicas: int, steps: int, threads: int = 1, variants: dict[str, type] | None = None,
+               blocks: int = 1) -> Samples:
     """Seconds of one training step of the small ResNet under R thread replicas (medians of
-    ``steps`` alternating steps): converted (ours, meeting natively), converted with layers that
-    meet no one (:class:`MeetingNoOne`), unsynced, and the converted net with its layers made of
-    each of ``variants``' classes."""
+    ``steps`` alternating steps in each of ``blocks`` blocks): converted (ours, meeting natively),
+    converted with layers that meet no one (:class:`MeetingNoOne`), unsynced, and the converted
+    net with its layers made of each of ``variants``' classes."""
     torch.manual_seed(0)
     timers = {
         "ours": resnet_step(NN.convert_sync_batchnorm(small_resnet()), replicas, threads),
-        "alone": resnet_step(meeting_no_one(NN.convert_sync_batchnorm(small_resnet())), replicas, threads),
+        "alone": resnet_step(with_layers_of(NN.convert_sync_batchnorm(small_resnet()), MeetingNoOne), replicas, threads),
         "torch": resnet_step(small_resnet(), replicas, threads),
     }
     for key, kind in (variants or {}).items():
         timers[key] = resnet_step(with_layers_of(NN.convert_sync_batchnorm(small_resnet()), kind), replicas, threads)
-    return alternating(timers, steps)
+    return alternating(timers, steps, blocks)
 
 
 def resnet_without_thread_shares(replicas: int, min_run_time: float, threads: int) -> float:
@@ -220,15 +243,13 @@ def bare_exchange(replicas: int, exchanges: int = 2000) -> float:
     return elapsed / exchanges
 
 
-def time_fixed(fn, number: int, repeats: int) -> float:
+def time_fixed(fn: Callable[[], object], number: int) -> float:
+    """Seconds a call of ``fn``, over ``number`` calls after a first one."""
     fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(number):
-            fn()
-        samples.append((time.perf_counter() - start) / number)
-    return median(samples)
+    start = time.perf_counter()
+    for _ in range(number):
+        fn()
+    return (time.perf_counter() - start) / number
 
 
 def ddp_model(layer: type, depth: int) -> nn.Module:
@@ -280,11 +301,11 @@ class BatchNormWithCollectives(nn.BatchNorm2d):
         return super().forward(_CollectivesInPlace.apply(x))
 
 
-def ranks_row(rank: int, world: int, number: int, repeats: int) -> dict:
-    """Per-layer seconds on this rank: ours with the checks at the layer and deferred, torch's,
-    torch's with the two collectives in place (:class:`BatchNormWithCollectives`), and the two
-    collectives alone, taken in turn over ``repeats`` rounds (every rank runs the same sequence:
-    collectives need all ranks), medians."""
+def ranks_row(rank: int, world: int, number: int, repeats: int) -> Samples:
+    """Per-layer seconds on this rank in each of ``repeats`` rounds: ours with the checks at the
+    layer and deferred, torch's, torch's with the two collectives in place
+    (:class:`BatchNormWithCollectives`), and the two collectives alone, taken in turn (every rank
+    runs the same sequence: collectives need all ranks)."""
     x = torch.randn(SHAPE, requires_grad=True)
     ours = {depth: ddp_model(NN.SyncBatchNorm2d, depth) for depth in (1, DEEP)}
     theirs = {depth: ddp_model(nn.BatchNorm2d, depth) for depth in (1, DEEP)}
@@ -294,19 +315,24 @@ def ranks_row(rank: int, world: int, number: int, repeats: int) -> dict:
     for _ in range(repeats):
         for mode in ("layer", "step"):
             checks.DEFER_ON_HOST = mode == "step"
-            t = [time_fixed(lambda m=ours[depth]: m(x).sum().backward(), number, 1) for depth in (1, DEEP)]
+            t = [time_fixed(lambda m=ours[depth]: m(x).sum().backward(), number) for depth in (1, DEEP)]
             checks.check_pending()
             samples[mode].append(per_layer(t[1], t[0]))
         checks.DEFER_ON_HOST = False
         for key, models in (("torch", theirs), ("placed", placed)):
-            t = [time_fixed(lambda m=models[depth]: m(x).sum().backward(), number, 1) for depth in (1, DEEP)]
+            t = [time_fixed(lambda m=models[depth]: m(x).sum().backward(), number) for depth in (1, DEEP)]
             samples[key].append(per_layer(t[1], t[0]))
-        samples["collectives"].append(time_fixed(both, number * DEEP // 4, 1))
-    return {key: median(values) for key, values in samples.items()}
+        samples["collectives"].append(time_fixed(both, number * DEEP // 4))
+    return samples
 
 
-def free_collectives_row(min_run_time: float, rounds: int) -> dict[str, float]:
-    """Per-layer seconds of ours (checks at the layer, and deferred) and of torch's layer in this
+def slowest(per_rank: list[Samples]) -> Samples:
+    """Each figure of the slowest rank in each repeat."""
+    return {key: [max(values) for values in zip(*(rank[key] for rank in per_rank))] for key in per_rank[0]}
+
+
+def free_collectives_row(min_run_time: float, rounds: int) -> Samples:
+    """Per-layer seconds, round by round, of ours (checks at the layer, and deferred) and of torch's layer in this
     process posing as a rank of a world of 2 whose collectives cost nothing (the all_gather
     returns this rank's row twice, the all_reduce doubles): our own host cost across processes,
     free of the collectives' latency and of the ranks' skew, which the DDP rows include."""
@@ -326,124 +352,174 @@ def free_collectives_row(min_run_time: float, rounds: int) -> dict[str, float]:
             timers = {depth: step_of(stack(NN.SyncBatchNorm2d, depth), SHAPE[0]) for depth in (1, DEEP)}
             t = interleaved(timers, min_run_time, rounds)
             checks.check_pending()
-            result[mode] = per_layer(t[DEEP], t[1])
+            result[mode] = layer_samples(t)
         checks.DEFER_ON_HOST = False
     finally:
         for patch in patches:
             patch.stop()
     t = interleaved({depth: step_of(stack(nn.BatchNorm2d, depth), SHAPE[0]) for depth in (1, DEEP)}, min_run_time, rounds)
-    result["torch"] = per_layer(t[DEEP], t[1])
+    result["torch"] = layer_samples(t)
     return result
 
 
-def lone_replica_row(min_run_time: float, rounds: int) -> dict[str, float]:
-    """Seconds of forward + backward of nn.BatchNorm2d and of our SyncBatchNorm2d as a lone
-    replica (no wrapper, no process group: nothing to meet), taken in turn."""
+def lone_replica_row(min_run_time: float, rounds: int) -> Samples:
+    """Seconds, round by round, of forward + backward of nn.BatchNorm2d and of our SyncBatchNorm2d
+    as a lone replica (no wrapper, no process group: nothing to meet), taken in turn."""
     channels = FIXED_COST_SHAPE[1]
     steps = fixed_cost_steps(torch=nn.BatchNorm2d(channels), ours=NN.SyncBatchNorm2d(channels))
-    return {name: ms * 1e-3 for name, ms in interleaved_medians(steps, min_run_time * rounds, rounds).items()}
+    return interleaved({name: benchmark.Timer("fn()", globals={"fn": fn}) for name, fn in steps.items()}, min_run_time, rounds)
 
 
-def us(seconds: float) -> str:
-    return f"{seconds * 1e6:.0f}"
+def cost_text(c: Cost, unit: str = "") -> str:
+    """A cost in us as the table and the summary write it: within its noise said so, and never a
+    figure below zero (what a cost can be said to be from this many repeats)."""
+    value, noise = c[0] * 1e6, c[1] * 1e6
+    digits = 1 if max(abs(value), noise) < 100 else 0  # a fixed cost of 10 us needs its tenth
+    if abs(value) <= noise:
+        return f"within noise (±{noise:.{digits}f} us)"
+    text = f"{abs(value):.{digits}f} ± {noise:.{digits}f}"
+    return f"none ({text} us less)" if value < 0 else text + unit
+
+
+def row(path: str, ours: list[float] | None, theirs: list[float] | None, stolen: float | None,
+        costs: dict[str, Cost] | None = None, **keys: object) -> dict:
+    """A table row: the medians of ``ours`` and ``theirs`` in us, and each of ``costs`` (adds,
+    meeting, own) as text, its figures kept beside it for plots; ``keys`` and the two medians'
+    ratio kept beside too (not shown: a ratio of figures within noise would read as a cost)."""
+    out: dict = {"path": path, "stolen": stolen, **keys}
+    for key, samples in (("ours_us", ours), ("torch_us", theirs)):
+        out[key] = None if samples is None else round(median(samples) * 1e6, 2)
+    if out["ours_us"] and out["torch_us"]:
+        out["ratio"] = round(out["ours_us"] / out["torch_us"], 4)
+    for key, c in (costs or {}).items():
+        out[key], out[key + "_us"], out[key + "_noise_us"] = cost_text(c), round(c[0] * 1e6, 2), round(c[1] * 1e6, 2)
+    print(" | ".join(results.cell(out.get(c.key), c.format) for c in COLUMNS), flush=True)
+    return out
+
+
+COLUMNS = [
+    Column("path", "path"),
+    Column("ours_us", "ours, us", "{:.0f}"),
+    Column("torch_us", "torch's unsynced, us", "{:.0f}"),
+    Column("adds", "synchronizing adds, us"),
+    Column("meeting", "of which the meeting, us"),
+    Column("own", "of which our own part, us"),
+    Column("stolen", "CPU stolen", "{:.0%}"),
+]
+
+
+def resnet_rows(replicas: int, steps: int, blocks: int, threads: int, min_run_time: float) -> list[dict]:
+    """The small ResNet's step under ``replicas`` thread replicas with ``threads`` intra-op threads:
+    converted against unsynced, the meetings being what converted costs beyond meeting no one;
+    with several threads, torch's step once more with every replica starting a team of all."""
+    t, stolen = least_stolen(lambda: resnet_row(replicas, steps, threads, blocks=blocks))
+    shares = f", the {replicas} replicas sharing them" if threads > 1 else ""
+    rows = [row(f"small ResNet (17 batch norms), a training step, {replicas} thread replicas, {threads} intra-op "
+                f"thread{'s' if threads > 1 else ''}{shares}", t["ours"], t["torch"], stolen,
+                dict(adds=cost([t["ours"]], [t["torch"]]), meeting=cost([t["ours"]], [t["alone"]]), own=cost([t["alone"]], [t["torch"]])),
+                kind="resnet", threads=threads, alone_us=round(median(t["alone"]) * 1e6, 2))]
+    if threads > 1:
+        unshared = resnet_without_thread_shares(replicas, min_run_time * 4, threads)
+        rows.append(row(f"the same, unsynced, every replica starting a team of all {threads} threads", None, [unshared],
+                        None, kind="unshared", threads=threads))
+    return rows
+
+
+def process_rows(world: int, number: int, repeats: int) -> list[dict]:
+    """DDP over ``world`` Gloo ranks, checks at the layer and deferred."""
+    per_rank, stolen = least_stolen(lambda: run_local_group(ranks_row, world, number, repeats, timeout_s=600))
+    t = slowest(per_rank)
+    alone = round(median(t["collectives"]) * 1e6, 2)
+    return [
+        row(f"DDP, {world} Gloo ranks, {what}", t[mode], t["torch"], stolen,
+            dict(adds=cost([t[mode]], [t["torch"]]), meeting=cost([t["placed"]], [t["torch"]]), own=cost([t[mode]], [t["placed"]])),
+            kind="ranks", world=world, checks=mode, collectives_alone_us=alone)
+        for mode, what in (("layer", "checks at the layer"), ("step", "checks deferred"))
+    ]
+
+
+def measure(args: argparse.Namespace, default_threads: int) -> list[dict]:
+    """Every row, in the table's order (the ResNet's measured first: see the docstring)."""
+    replica_counts = (2, 4) if args.quick else (2, 4, 8)
+    rounds = args.rounds
+    resnet = [r for threads in sorted({1, default_threads}) for r in resnet_rows(4, args.steps, rounds, threads, args.min_run_time)]
+    rows = []
+    for replicas in replica_counts:
+        for native, how in ((True, "native meeting"), (False, "Python exchange")):
+            (ours, theirs), stolen = least_stolen(lambda: threads_row(replicas, args.min_run_time, rounds, native))
+            rows.append(row(f"ThreadedDataParallel, {replicas} CPU replicas, {how}", ours, theirs, stolen,
+                            dict(adds=cost([ours], [theirs])), kind="threads", replicas=replicas, route="native" if native else "python"))
+    for world in (2,) if args.quick else (2, 4):
+        rows += process_rows(world, 20 if args.quick else 40, 2 * rounds - 1)
+    free, stolen = least_stolen(lambda: free_collectives_row(args.min_run_time, rounds))
+    for mode, what in (("layer", "checks at the layer"), ("step", "checks deferred")):
+        own = cost([free[mode]], [free["torch"]])
+        rows.append(row(f"one process as a rank of 2 whose collectives cost nothing, {what}", free[mode], free["torch"],
+                        stolen, dict(adds=own, own=own), kind="free", checks=mode))
+    lone, stolen = least_stolen(lambda: lone_replica_row(args.min_run_time, rounds))
+    rows.append(row(f"a lone replica (no wrapper, no process group: our fixed cost), {FIXED_COST_SHAPE}", lone["ours"],
+                    lone["torch"], stolen, dict(own=cost([lone["ours"]], [lone["torch"]])), kind="lone"))
+    exchanges, stolen = least_stolen(lambda: {r: bare_exchange(r) for r in replica_counts})
+    rows += resnet + [row(f"the bare exchange of Python objects (ReplicaRound.exchange), {r} threads, per exchange", [t], None,
+                          stolen, kind="exchange", replicas=r) for r, t in exchanges.items()]
+    return rows
+
+
+def summary(rows: list[dict]) -> str:
+    """What the table says, in three sentences from its figures."""
+    def find(**keys: object) -> dict:
+        return next(r for r in rows if all(r.get(k) == v for k, v in keys.items()))
+
+    def text(r: dict, key: str) -> str:
+        return r[key] if r[key].endswith(")") else r[key] + " us"  # "within noise (...)" has its unit
+
+    counts = sorted({r["replicas"] for r in rows if r["kind"] == "threads"})
+    routes = {route: " / ".join(text(find(kind="threads", replicas=n, route=route), "adds") for n in counts)
+              for route in ("native", "python")}
+    ddp, free, resnet = find(kind="ranks", checks="layer"), find(kind="free", checks="layer"), find(kind="resnet", threads=1)
+    if resnet["adds_us"] > resnet["adds_noise_us"]:
+        step = (f"takes {resnet['ratio']:.3f}x the unsynced step, {text(resnet, 'adds')} more, of which the meetings "
+                f"{text(resnet, 'meeting')} and our layers without them {text(resnet, 'own')}")
+    else:
+        step = f"takes the unsynced step's time, the difference {text(resnet, 'adds')}"
+    return (
+        f"Per layer under ThreadedDataParallel with {' / '.join(map(str, counts))} replicas, the native meeting adds "
+        f"{routes['native']} and the Python exchange {routes['python']}. Across {ddp['world']} Gloo processes a layer "
+        f"adds {text(ddp, 'adds')}, of which the two collectives where ours makes them take {text(ddp, 'meeting')}, our "
+        f"own part beyond them {text(ddp, 'own')} ({text(free, 'own')} where the collectives cost nothing), and a lone "
+        f"replica's fixed cost is {text(find(kind='lone'), 'own')}. A small ResNet's training step under 4 thread "
+        f"replicas {step}."
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="2 and 4 replicas, 2 ranks, shorter measurements")
-    parser.add_argument("--no-write", action="store_true", help="print, do not touch RESULTS.md")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 and 4 replicas, 2 ranks, 3 rounds, 150 ResNet steps, 0.3 s a measurement (default: off)")
+    parser.add_argument("--rounds", type=int, help="rounds of each row (the Gloo rows: twice as many, less one); "
+                        "default 5, 3 with --quick")
+    parser.add_argument("--steps", type=int, help="ResNet steps of each contender; default 400, 150 with --quick")
+    parser.add_argument("--min-run-time", type=float, help="seconds a measurement; default 0.5, 0.3 with --quick")
+    parser.add_argument("--no-write", action="store_true", help="print the result, write no file (default: write it)")
+    parser.add_argument("--results-dir", type=Path, default=results.RESULTS_DIR,
+                        help="where sync_overhead.json goes (default: benchmarks/results)")
     args = parser.parse_args()
+    for key, full, quick in (("rounds", 5, 3), ("steps", 400, 150), ("min_run_time", 0.5, 0.3)):
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else full)
     default_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    replica_counts = (2, 4) if args.quick else (2, 4, 8)
-    worlds = (2,) if args.quick else (2, 4)
-    min_run_time, rounds = (0.3, 3) if args.quick else (0.5, 5)
-    capability = torch.backends.cpu.get_cpu_capability()
-    begin, end = keyed_markers("bench_sync_overhead", capability.lower())  # AVX2 and AVX-512 machines differ
-    lines = [
-        begin,
-        "## What synchronizing costs per layer (bench_sync_overhead.py)",
-        "",
-        f"Machine: {os.cpu_count()}-core {cpu_model()} ({capability}) VM, no GPU; torch "
-        f"{torch.__version__}; {time.strftime('%Y-%m-%d')}. Per layer = (16 layers - 1 layer) / 15, forward + "
-        f"backward of a {SHAPE} float32 input (requires grad), microseconds; one intra-op thread. CPU stolen: the "
-        f"share of the VM's CPU time that the hypervisor gave to other guests while the row ran (/proc/stat); a row is "
-        f"measured once more where it exceeded 5%, and the less stolen of the two kept.",
-        "",
-        "| path | our layer | torch's unsynced layer, same wrapper | synchronizing adds | CPU stolen |",
-        "|---|---|---|---|---|",
-    ]
-    # first, while the pool of ThreadedDataParallel's workers holds only the threads these two
-    # runners use: after the rows below (up to 8 replicas) the runners take turns at a dozen
-    # pooled threads, which measured 1.03x where a fresh process measured 1.10x
-    resnet_lines: list[str] = []
-    steps = 150 if args.quick else 400
-    t, stolen = least_stolen(lambda: resnet_row(4, steps))
-    resnet_lines += [
-        "",
-        f"A small ResNet (17 batch norms, residual adds; batch 16x3x16x16), one training step under 4 thread "
-        f"replicas, medians of {steps} steps each, the three alternating step by step: converted "
-        f"{t['ours'] * 1e3:.1f} ms, {t['ours'] / t['torch']:.3f}x; converted with layers that meet no one (each "
-        f"replica normalizing its own chunk through the same native call) {t['alone'] * 1e3:.1f} ms, "
-        f"{t['alone'] / t['torch']:.3f}x; unsynced {t['torch'] * 1e3:.1f} ms; CPU stolen {stolen_text(stolen)}.",
-    ]
-    print(resnet_lines[-1], flush=True)
-    if default_threads > 1:
-        t, stolen = least_stolen(lambda: resnet_row(4, steps, default_threads))
-        unshared = resnet_without_thread_shares(4, min_run_time * 4, default_threads)
-        resnet_lines += [
-            "",
-            f"The same with the process's default {default_threads} intra-op threads (the 4 CPU replicas share them, "
-            f"{max(1, default_threads // 4)} each): converted {t['ours'] * 1e3:.1f} ms, {t['ours'] / t['torch']:.3f}x; "
-            f"meeting no one {t['alone'] * 1e3:.1f} ms, {t['alone'] / t['torch']:.3f}x; unsynced "
-            f"{t['torch'] * 1e3:.1f} ms; unsynced with every replica starting a team of all {default_threads} threads "
-            f"(before the share): {unshared * 1e3:.1f} ms; CPU stolen {stolen_text(stolen)} (the alternating steps).",
-        ]
-        print(resnet_lines[-1], flush=True)
-    for replicas in replica_counts:
-        for native, how in ((True, "native call"), (False, "autograd Function")):
-            (ours, theirs), stolen = least_stolen(lambda: threads_row(replicas, min_run_time, rounds, native))
-            lines.append(
-                f"| ThreadedDataParallel, {replicas} CPU replicas, {how} | {us(ours)} | {us(theirs)} | {us(ours - theirs)} "
-                f"| {stolen_text(stolen)} |"
-            )
-            print(lines[-1], flush=True)
-    for world in worlds:
-        results, stolen = least_stolen(
-            lambda: run_local_group(ranks_row, world, 20 if args.quick else 40, 5 if args.quick else 9, timeout_s=600)
-        )
-        slowest = {key: max(r[key] for r in results) for key in results[0]}
-        for mode, what in (("layer", "checks at the layer"), ("step", "checks deferred")):
-            own = slowest[mode] - slowest["torch"] - slowest["collectives"]
-            in_place = slowest["placed"] - slowest["torch"]
-            lines.append(
-                f"| DDP, {world} Gloo ranks, {what} | {us(slowest[mode])} | {us(slowest['torch'])} | "
-                f"{us(slowest[mode] - slowest['torch'])}, of which the two collectives alone {us(slowest['collectives'])}: "
-                f"our own part {us(own)}; the collectives in place (torch's layer making them) {us(in_place)}: "
-                f"our own part beyond them {us(slowest[mode] - slowest['placed'])} | {stolen_text(stolen)} |"
-            )
-            print(lines[-1], flush=True)
-    free, stolen = least_stolen(lambda: free_collectives_row(min_run_time, rounds))
-    for mode, what in (("layer", "checks at the layer"), ("step", "checks deferred")):
-        lines.append(
-            f"| one process as a rank of 2 whose collectives cost nothing, {what} | {us(free[mode])} | {us(free['torch'])} | "
-            f"{us(free[mode] - free['torch'])}: our own part | {stolen_text(stolen)} |"
-        )
-        print(lines[-1], flush=True)
-    lone, stolen = least_stolen(lambda: lone_replica_row(min_run_time, rounds))
-    lines.append(
-        f"| a lone replica (no wrapper, no process group), forward + backward of {FIXED_COST_SHAPE} | {us(lone['ours'])} | "
-        f"{us(lone['torch'])} (`nn.BatchNorm2d` alone) | {lone['ours'] * 1e6 - lone['torch'] * 1e6:+.1f}: our fixed cost "
-        f"| {stolen_text(stolen)} |"
+    rows = measure(args, default_threads)
+    result = dict(
+        title="What synchronizing costs per layer",
+        method=f"Per layer = (16 stacked layers - 1 layer) / 15, forward + backward of a {SHAPE} float32 input on one "
+               f"intra-op thread, the contenders taken in turn over {args.rounds} rounds (the ResNet's alternating step by "
+               f"step), a cost being the difference of medians ± half its range over the rounds.",
+        columns=COLUMNS, rows=rows, summary=summary(rows), shape=list(SHAPE), rounds=args.rounds, steps=args.steps,
     )
-    print(lines[-1], flush=True)
-    lines += resnet_lines
-    lines += ["", "The bare exchange of Python objects (`ReplicaRound.exchange`, R threads, a combine that sums ints), per exchange:", ""]
-    exchanges, stolen = least_stolen(lambda: {r: bare_exchange(r) for r in replica_counts})
-    lines.append(" ".join(f"{r} threads: {us(t)} us;" for r, t in exchanges.items()).rstrip(";") + f" (CPU stolen {stolen_text(stolen)})")
-    lines.append(end)
-    section = "\n".join(lines)
-    publish(section, not args.no_write, begin, end)
+    print(results.table({**result, "columns": [asdict(c) for c in COLUMNS]}), result["summary"], sep="\n\n")
+    if not args.no_write:
+        print("wrote", results.write("sync_overhead", directory=args.results_dir, **result))
 
 
 if __name__ == "__main__":
