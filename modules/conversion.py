@@ -2,10 +2,12 @@
 them, and name them after their paths for error messages."""
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from .batchnorm import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d, _bias_kwarg
 
@@ -68,7 +70,49 @@ def _convert(module: nn.Module, name: str, process_group: Any | None, memo: dict
     )
 
 
-def convert_sync_batchnorm(module: nn.Module, process_group: Any | None = None) -> nn.Module:
+def _left_behind(layer: nn.Module) -> bool:
+    """A batch norm that conversion cannot make ours exactly: any ``_BatchNorm`` that is neither
+    ours nor exactly one of torch's four classes (subclasses, lazy, quantized ones...)."""
+    return isinstance(layer, _BatchNorm) and not isinstance(layer, SyncBatchNorm) and type(layer) not in _TO_SYNC
+
+
+def _entry(layer: nn.Module, paths: list[str]) -> str:
+    """How a layer left behind is listed: every path that holds it, then its qualified class."""
+    cls = type(layer)
+    entry = f"{', '.join(paths)}: {cls.__module__}.{cls.__qualname__}"
+    # A lazy layer becomes its plain class on its first forward, and only then converts.
+    return entry + " (uninitialized: run one forward pass first)" if isinstance(layer, LazyModuleMixin) else entry
+
+
+def _layers_left_behind(module: nn.Module) -> list[str]:
+    """One entry per layer left behind, in model order; a layer held twice is one entry."""
+    paths: dict[int, list[str]] = {}
+    layers: dict[int, nn.Module] = {}
+    for path, layer in module.named_modules(remove_duplicate=False):
+        if _left_behind(layer):
+            paths.setdefault(id(layer), []).append(path or "(the module itself)")
+            layers[id(layer)] = layer
+    return [_entry(layers[key], where) for key, where in paths.items()]
+
+
+def _report_left_behind(module: nn.Module, strict: bool, function: str, outcome: str) -> None:
+    """Warn about, or with ``strict`` raise TypeError for, the layers ``function`` would leave
+    as they are; nothing is changed here, so a raise leaves ``module`` untouched."""
+    entries = _layers_left_behind(module)
+    if not entries:
+        return
+    text = (
+        f"{function} {'would leave' if strict else 'leaves'} {len(entries)} batch norm layer(s) as they are, "
+        f"{outcome} (only nn.BatchNorm1d/2d/3d and nn.SyncBatchNorm convert exactly): {'; '.join(entries)}. "
+        "Convert or replace them yourself"
+    )
+    if strict:
+        raise TypeError(text + "; nothing was converted")
+    # stacklevel 3: the user's call of convert_sync_batchnorm or freeze_batchnorm.
+    warnings.warn(text + ", or pass strict=True to make this an error", UserWarning, stacklevel=3)
+
+
+def convert_sync_batchnorm(module: nn.Module, process_group: Any | None = None, *, strict: bool = False) -> nn.Module:
     """Turn every ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` in ``module`` into ours.
 
     The new layers hold the very same weight and bias Parameters (so optimizers keep working),
@@ -76,7 +120,14 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any | None = None) 
     process group, unless ``process_group`` is given); each gets its path in the model as
     ``layer_name`` for error messages. A layer held in two places becomes one layer of ours in
     both. Returns the converted module (a new object when ``module`` itself is a batch norm).
+
+    Any other ``_BatchNorm`` (a subclass of torch's, an uninitialized ``nn.LazyBatchNorm*d``, a
+    quantized one) cannot become ours without losing its behaviour, so it is left as it is,
+    not synchronized by this library: one ``UserWarning`` per call lists each such layer (every
+    path that holds it, and its class); with ``strict=True`` a ``TypeError`` with the same list
+    is raised instead, before anything is changed.
     """
+    _report_left_behind(module, strict, "convert_sync_batchnorm", "not synchronized by syncbn")
     return _convert(module, "", process_group, {})
 
 
@@ -104,13 +155,18 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     return _revert(module, {})
 
 
-def freeze_batchnorm(module: nn.Module) -> nn.Module:
+def freeze_batchnorm(module: nn.Module, *, strict: bool = False) -> nn.Module:
     """Freeze every batch norm of ``module``: torch's are converted to ours first (as by
     :func:`convert_sync_batchnorm`), then each is :meth:`SyncBatchNorm.freeze`-d: normalized
     with its running statistics in training too, never updated, never synced; weight and bias
     still train where they require grad. Returns the module (a new object when ``module``
-    itself is a batch norm); its state_dict is unchanged."""
-    module = convert_sync_batchnorm(module)
+    itself is a batch norm); its state_dict is unchanged.
+
+    Batch norms that conversion leaves as they are (see :func:`convert_sync_batchnorm`) stay
+    neither frozen nor synchronized: they are listed in a ``UserWarning``, or with
+    ``strict=True`` in a ``TypeError`` raised before anything is changed."""
+    _report_left_behind(module, strict, "freeze_batchnorm", "neither frozen nor synchronized by syncbn")
+    module = _convert(module, "", None, {})
     for layer in module.modules():
         if isinstance(layer, SyncBatchNorm):
             layer.freeze()
