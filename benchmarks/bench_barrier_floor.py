@@ -46,8 +46,6 @@ import functools
 import os
 import sys
 import time
-from dataclasses import asdict
-from pathlib import Path
 from statistics import median
 
 import torch
@@ -311,9 +309,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20, help="mm rounds a block (default: %(default)s)")
     parser.add_argument("--steps", type=int, help="ResNet steps of each contender (default: 200, 60 with --quick)")
     parser.add_argument("--cycles", type=int, help="mm blocks of each way (default: 60, 20 with --quick)")
-    parser.add_argument("--no-write", action="store_true", help="print the result, write no file (default: write it)")
-    parser.add_argument("--results-dir", type=Path, default=results.RESULTS_DIR,
-                        help="where barrier_floor.json goes (default: benchmarks/results)")
+    results.add_output_options(parser)
     args = parser.parse_args()
     args.steps = args.steps or (60 if args.quick else 200)
     args.cycles = args.cycles or (20 if args.quick else 60)
@@ -328,9 +324,7 @@ def main() -> None:
                f"of meeting in turn, {args.cycles} blocks each, a block's time its slowest thread's.",
         columns=COLUMNS, rows=rows, summary=summary(rows), meetings=MEETINGS, cores=usable_cores(),
     )
-    print(results.table({**result, "columns": [asdict(c) for c in COLUMNS]}), result["summary"], sep="\n\n")
-    if not args.no_write:
-        print("wrote", results.write("barrier_floor", directory=args.results_dir, **result))
+    results.output(args, "barrier_floor", **result)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from statistics import median
 
@@ -109,9 +108,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 steps a round, 3 rounds (default: off, 10 and 7)")
     parser.add_argument("--steps", type=int, help="steps of each contender a round (default: 10, 3 with --quick)")
     parser.add_argument("--rounds", type=int, help="rounds taking the contenders in turn (default: 7, 3 with --quick)")
-    parser.add_argument("--no-write", action="store_true", help="print the result, write no file (default: write it)")
-    parser.add_argument("--results-dir", type=Path, default=results.RESULTS_DIR,
-                        help="where compile_ranks.json goes (default: benchmarks/results)")
+    results.add_output_options(parser)
     args = parser.parse_args()
     steps = args.steps or (3 if args.quick else 10)
     rounds = args.rounds or (3 if args.quick else 7)
@@ -124,9 +121,7 @@ def main() -> None:
                f"{rounds} rounds taken in turn, compiled after one warm-up step; the slowest rank's median.",
         columns=COLUMNS, rows=rows, summary=summary(rows),
     )
-    print(results.table({**result, "columns": [asdict(c) for c in COLUMNS]}), result["summary"], sep="\n\n")
-    if not args.no_write:
-        print("wrote", results.write("compile_ranks", directory=args.results_dir, **result))
+    results.output(args, "compile_ranks", **result)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -171,9 +170,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help="batch of the measured step (default: 16, 4 with --quick)")
     parser.add_argument("--budget-mib", type=int, help="the budget of the largest-batch search (default: 1024, 256 with --quick)")
     parser.add_argument("--quick", action="store_true", help="batch 4, budget 256 MiB (default: off)")
-    parser.add_argument("--no-write", action="store_true", help="print the result, write no file (default: write it)")
-    parser.add_argument("--results-dir", type=Path, default=results.RESULTS_DIR,
-                        help="where memory.json goes (default: benchmarks/results)")
+    results.add_output_options(parser)
     parser.add_argument("--one", choices=CONTENDERS, help=argparse.SUPPRESS)  # a fresh process's own run
     parser.add_argument("--layout", choices=list(LAYOUTS), default="contiguous", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -196,9 +193,7 @@ def main() -> None:
                f"resting memory, each contender in a fresh process, and the largest batch within the budget by bisection.",
         columns=columns(budget_mib), rows=rows, summary=summary(rows, budget_mib), batch=batch, budget_mib=budget_mib,
     )
-    print(results.table({**result, "columns": [asdict(c) for c in result["columns"]]}), result["summary"], sep="\n\n")
-    if not args.no_write:
-        print("wrote", results.write("memory", directory=args.results_dir, **result))
+    results.output(args, "memory", **result)
 
 
 if __name__ == "__main__":

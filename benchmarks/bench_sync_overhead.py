@@ -50,8 +50,6 @@ import os
 import sys
 import threading
 import time
-from dataclasses import asdict
-from pathlib import Path
 from statistics import median
 from typing import Callable
 from unittest import mock
@@ -500,9 +498,7 @@ def main() -> None:
                         "default 5, 3 with --quick")
     parser.add_argument("--steps", type=int, help="ResNet steps of each contender; default 400, 150 with --quick")
     parser.add_argument("--min-run-time", type=float, help="seconds a measurement; default 0.5, 0.3 with --quick")
-    parser.add_argument("--no-write", action="store_true", help="print the result, write no file (default: write it)")
-    parser.add_argument("--results-dir", type=Path, default=results.RESULTS_DIR,
-                        help="where sync_overhead.json goes (default: benchmarks/results)")
+    results.add_output_options(parser)
     args = parser.parse_args()
     for key, full, quick in (("rounds", 5, 3), ("steps", 400, 150), ("min_run_time", 0.5, 0.3)):
         if getattr(args, key) is None:
@@ -517,9 +513,7 @@ def main() -> None:
                f"step), a cost being the difference of medians ± half its range over the rounds.",
         columns=COLUMNS, rows=rows, summary=summary(rows), shape=list(SHAPE), rounds=args.rounds, steps=args.steps,
     )
-    print(results.table({**result, "columns": [asdict(c) for c in COLUMNS]}), result["summary"], sep="\n\n")
-    if not args.no_write:
-        print("wrote", results.write("sync_overhead", directory=args.results_dir, **result))
+    results.output(args, "sync_overhead", **result)
 
 
 if __name__ == "__main__":
