@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import RESULTS_DIR, ROOT, load  # noqa: E402
-from report import machine_text  # noqa: E402
+from results import RESULTS_DIR, ROOT, load, machine_text  # noqa: E402
 
 Result = dict[str, Any]
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import RESULTS_DIR, ROOT, load, table  # noqa: E402
+from results import RESULTS_DIR, ROOT, load, section  # noqa: E402
 
 PAGE = ROOT / "benchmarks" / "RESULTS.md"
 
@@ -39,22 +38,6 @@ made from those files by `python benchmarks/report.py` (do not edit it by hand).
 latest run of its benchmark, on the machine its header names; ratios are against the anchor
 measured in the same run. The pictures of `docs/performance.md` come from the same files
 (`benchmarks/plots.py`)."""
-
-
-def machine_text(machine: dict[str, Any]) -> str:
-    """One line naming what the figures were measured on."""
-    where = machine["gpu"] or f"{machine['cores']}-core {machine['cpu']}, {machine['torch_threads']} torch threads"
-    cuda = f" (CUDA {machine['cuda']})" if machine.get("cuda") else ""
-    return f"{where}; torch {machine['torch']}{cuda}, Python {machine['python']}; kernels {machine['kernels']}"
-
-
-def section(result: dict[str, Any]) -> str:
-    """One benchmark's part of the page."""
-    header = (
-        f"*{machine_text(result['machine'])}; {result['date']}, commit `{result['commit']}`; "
-        f"`{result['command']}`.* {result['method']}"
-    )
-    return "\n\n".join([f"## {result['title']}", header, table(result), result["summary"]])
 
 
 def page(directory: Path = RESULTS_DIR) -> str:

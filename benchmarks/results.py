@@ -92,14 +92,11 @@ def commit() -> str:
     return head + ("+changes" if changed else "")
 
 
-def write(name: str, *, title: str, method: str, columns: list[Column], rows: list[dict[str, Any]],
-          summary: str, directory: Path | None = None, **extra: Any) -> Path:
-    """Write benchmark result ``name`` (see the module's docstring) with this machine, today's date,
-    the commit and the command line; ``extra`` keys (settings a plot needs) are kept as given.
-    Returns the file's path."""
-    path = (directory or RESULTS_DIR) / f"{name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    result = {
+def record(name: str, *, title: str, method: str, columns: list[Column], rows: list[dict[str, Any]],
+           summary: str, **extra: Any) -> dict[str, Any]:
+    """Benchmark result ``name`` (see the module's docstring) with this machine, today's date, the
+    commit and the command line; ``extra`` keys (settings a plot needs) are kept as given."""
+    return {
         "name": name,
         "title": title,
         "machine": machine(),
@@ -112,6 +109,13 @@ def write(name: str, *, title: str, method: str, columns: list[Column], rows: li
         "summary": summary,
         **extra,
     }
+
+
+def write(result: dict[str, Any], directory: Path | None = None) -> Path:
+    """Write ``result`` (:func:`record`) as ``<directory>/<name>.json``, replacing the previous
+    one. Returns the file's path."""
+    path = (directory or RESULTS_DIR) / f"{result['name']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     return path
 
@@ -136,6 +140,23 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def machine_text(machine: dict[str, Any]) -> str:
+    """One line naming what the figures were measured on."""
+    where = machine["gpu"] or f"{machine['cores']}-core {machine['cpu']}, {machine['torch_threads']} torch threads"
+    cuda = f" (CUDA {machine['cuda']})" if machine.get("cuda") else ""
+    return f"{where}; torch {machine['torch']}{cuda}, Python {machine['python']}; kernels {machine['kernels']}"
+
+
+def section(result: dict[str, Any]) -> str:
+    """One result as RESULTS.md shows it: its title, a header naming machine, versions, date,
+    commit and command, the method, the table and the summary."""
+    header = (
+        f"*{machine_text(result['machine'])}; {result['date']}, commit `{result['commit']}`; "
+        f"`{result['command']}`.* {result['method']}"
+    )
+    return "\n\n".join([f"## {result['title']}", header, table(result), result["summary"]])
+
+
 def add_output_options(parser: argparse.ArgumentParser) -> None:
     """The options every benchmark takes for its result file."""
     parser.add_argument("--no-write", action="store_true",
@@ -145,11 +166,11 @@ def add_output_options(parser: argparse.ArgumentParser) -> None:
 
 
 def output(args: argparse.Namespace, name: str, **fields: Any) -> None:
-    """Print result ``name`` as report.py shows it; write it (``results.write``) unless --no-write."""
-    shown = {"columns": [asdict(c) for c in fields["columns"]], "rows": fields["rows"]}
-    print(f"\n## {fields['title']}\n\n{fields['method']}\n\n{table(shown)}\n\n{fields['summary']}")
+    """Print result ``name`` as RESULTS.md shows it (:func:`section`); write it unless --no-write."""
+    result = record(name, **fields)
+    print("\n" + section(result))
     if not args.no_write:
-        print(f"wrote {write(name, directory=args.results_dir, **fields)}")
+        print(f"wrote {write(result, args.results_dir)}")
 
 
 def span(values: Iterable[float], unit: str = "x", digits: int = 2) -> str:
