@@ -13,7 +13,7 @@
 #   sanitize   compute-sanitizer racecheck and synccheck over a few tests of our CUDA kernels
 #   kernels    our CUDA kernels (pytest --cuda-kernels compiled): the kernel suite and opcheck
 #   compile    torch.compile(fullgraph=True) of a lone replica on CUDA, against eager
-#   timing     benchmarks/bench_cuda.py, every operator timed (printed, nothing written)
+#   timing     benchmarks/bench_cuda.py, every case timed, its result written to $OUT/cuda.json
 #
 # Every step has its own time limit (540 s together, under the device tool's 600 s a command)
 # and appends its output to $OUT/check.log; $OUT/summary.txt gets one line per step (its exit
@@ -89,5 +89,5 @@ for (name, a), b in zip(ours.named_buffers(), eager.buffers()):
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
 print("torch.compile(fullgraph=True), lone replica on CUDA: ok")
 EOF
-step timing 30 $PY benchmarks/bench_cuda.py --min-run-time 0.1 --no-write
+step timing 30 $PY benchmarks/bench_cuda.py --min-run-time 0.05 --results-dir "$OUT"
 exit 0
