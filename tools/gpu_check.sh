@@ -10,7 +10,8 @@
 #   graphs     a lone training step captured in a CUDA graph and replayed; a synchronized one refused
 #   ranks      NCCL with one rank (made to sync), Gloo with CUDA tensors in two processes on the
 #              GPU, uneven and with an empty rank: tools/gpu_ranks.py
-#   sanitize   compute-sanitizer racecheck and synccheck over a few tests of our CUDA kernels
+#   sanitize   compute-sanitizer racecheck and synccheck of our CUDA kernels (only ours: torch's
+#              own reductions are not ours to judge) over a few tests
 #   kernels    our CUDA kernels (pytest --cuda-kernels compiled): the kernel suite and opcheck
 #   compile    torch.compile(fullgraph=True) of a lone replica on CUDA, against eager
 #   timing     benchmarks/bench_cuda.py, every case timed, its result written to $OUT/cuda.json
@@ -21,8 +22,12 @@
 # folder as $BUILDS on a rerun to skip the build. How to run it with the device tool:
 # docs/testing.md.
 #
+# Steps named as arguments run alone (the build always), for a rerun of what failed or changed:
+#
 #   OUT=/tmp/gpu_check BUILDS=.gpu_build tools/gpu_check.sh
+#   OUT=/tmp/gpu_check tools/gpu_check.sh kernels timing
 set -uo pipefail
+WANTED=" $* "
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
 BUILDS=${BUILDS:-.gpu_build}
@@ -36,6 +41,10 @@ SUMMARY="$OUT/summary.txt"
 step() {  # step NAME SECONDS COMMAND...: run with a limit; note status, limit and time
     local name=$1 limit=$2
     shift 2
+    if [ "$name" != build ] && [ "$WANTED" != "  " ] && [[ "$WANTED" != *" $name "* ]]; then
+        echo "$name skipped" | tee -a "$SUMMARY"
+        return 0
+    fi
     local start=$SECONDS
     echo "== $name: $*" >> "$LOG"
     timeout --kill-after=5 "$limit" "$@" >> "$LOG" 2>&1
@@ -57,7 +66,7 @@ if [ -f "$BUILDS/build.tar.gz" ] && [ "$(tar -xzOf "$BUILDS/build.tar.gz" build.
     echo "build rc=0 limit=0s took=0s (carried, $source_hash)" | tee -a "$SUMMARY"
 else
     arch=$($PY -c "import torch; print('%d.%d' % torch.cuda.get_device_capability(0))")
-    step build 190 env TORCH_CUDA_ARCH_LIST="$arch" SYNCBN_CUDA=1 MAX_JOBS="$(nproc)" PYTHON_CMD="$PY" ./make_ext.sh || exit 1
+    step build 150 env TORCH_CUDA_ARCH_LIST="$arch" SYNCBN_CUDA=1 MAX_JOBS="$(nproc)" PYTHON_CMD="$PY" ./make_ext.sh || exit 1
     echo "$source_hash" > functions/build.hash
     (cd functions && tar -czf "$OUT/build.tar.gz" build.hash _C_*.so) && rm functions/build.hash
 fi
@@ -69,11 +78,11 @@ step races 60 $PYTEST --timeout 60 tests/test_cuda.py tests/test_cuda_route.py \
 step graphs 30 $PYTEST --timeout 25 tests/test_cuda.py -k "captur"
 step ranks 55 $PY tools/gpu_ranks.py
 OURS="--cuda-kernels compiled"  # our CUDA kernels serve (tests/conftest.py)
-step sanitize 50 compute-sanitizer --tool racecheck --error-exitcode 9 \
+step sanitize 50 compute-sanitizer --tool racecheck --kernel-name kns=syncbn --error-exitcode 9 \
     $PY -m pytest -q -x -p no:cacheprovider $OURS tests/test_kernels.py -k "cuda and test_each_op and float32 and not 0"
-step synccheck 25 compute-sanitizer --tool synccheck --error-exitcode 9 \
+step synccheck 25 compute-sanitizer --tool synccheck --kernel-name kns=syncbn --error-exitcode 9 \
     $PY -m pytest -q -x -p no:cacheprovider $OURS tests/test_kernels.py -k "cuda and test_each_op and float32 and not 0"
-step kernels 65 $PYTEST $OURS --timeout 55 -x tests/test_kernels.py tests/test_ops.py tests/test_cuda.py -k cuda
+step kernels 90 $PYTEST $OURS --timeout 60 -x tests/test_kernels.py tests/test_ops.py tests/test_cuda.py -k cuda
 step compile 35 $PY - <<'EOF'
 import copy, torch
 from torch import nn
@@ -89,5 +98,5 @@ for (name, a), b in zip(ours.named_buffers(), eager.buffers()):
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
 print("torch.compile(fullgraph=True), lone replica on CUDA: ok")
 EOF
-step timing 30 $PY benchmarks/bench_cuda.py --min-run-time 0.05 --results-dir "$OUT"
+step timing 45 $PY benchmarks/bench_cuda.py --min-run-time 0.05 --results-dir "$OUT"
 exit 0

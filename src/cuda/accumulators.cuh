@@ -21,6 +21,13 @@ struct Welford {
     m2 += delta * (d - mean);
     sum += d;
   }
+  // the update for a count n already advanced, given 1 / n (lanes that share n share it)
+  __device__ __forceinline__ void add_with(T d, T inv_n) {
+    const T delta = d - mean;
+    mean += delta * inv_n;
+    m2 += delta * (d - mean);
+    sum += d;
+  }
   __device__ __forceinline__ void merge(const Welford& o) {
     if (o.n == T(0)) return;
     if (n == T(0)) {
@@ -115,16 +122,33 @@ constexpr int fold_items() {
   return kPerLane ? kFoldUpdates : kFoldUpdates / V;
 }
 
+// Items a float64 thread's loop takes unrolled, its loads issued together.
+constexpr int kUnrollItems = 4;
+
 // A thread's loop: item() while more(), acc folded after every kItems items (in chunks: no
-// fold in the inner loop; a plain loop where nothing folds).
-template <int kItems, typename Acc, typename More, typename Item>
-__device__ __forceinline__ void accumulate(Acc& acc, More more, Item item) {
-  if constexpr (Acc::kFolds) {
+// fold in the inner loop; a plain loop where nothing folds). ahead(k) says whether k more items
+// remain: a chunk that is whole runs unrolled, with no test between items, so that its loads are
+// issued before their values are used and the Welford counts are constants. kUnroll false keeps
+// the plain loop (single values read one at a time, whose 16 unrolled items spill).
+template <int kItems, bool kUnroll, typename Acc, typename More, typename Ahead, typename Item>
+__device__ __forceinline__ void accumulate(Acc& acc, More more, Ahead ahead, Item item) {
+  if constexpr (!kUnroll) {
+    accumulate<kItems, true>(acc, more, [](int) { return false; }, item);
+  } else if constexpr (Acc::kFolds) {
     while (more()) {
-      for (int i = 0; i < kItems && more(); ++i) item();
+      if (ahead(kItems)) {
+#pragma unroll
+        for (int i = 0; i < kItems; ++i) item();
+      } else {
+        for (int i = 0; i < kItems && more(); ++i) item();
+      }
       acc.fold();
     }
   } else {
+    while (ahead(kUnrollItems)) {
+#pragma unroll
+      for (int i = 0; i < kUnrollItems; ++i) item();
+    }
     while (more()) item();
   }
 }
@@ -170,13 +194,14 @@ struct Lanes<Welford<T>, V> {
     sum[j] = w.sum;
   }
   __device__ __forceinline__ void add(const T (&d)[V]) {
+    n += T(1);
+    const T inv_n = T(1) / n;  // one reciprocal for every lane
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       Welford<T> w = lane(j);
-      w.add(d[j]);
+      w.add_with(d[j], inv_n);
       set(j, w);
     }
-    n += T(1);
   }
   __device__ __forceinline__ void merge(const Lanes& o) {
     if (o.n == T(0)) return;

@@ -15,6 +15,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <initializer_list>
 #include <type_traits>
@@ -86,11 +88,41 @@ constexpr int64_t kMaxItemsPerThread = 64; // packs a thread takes at most in on
 constexpr int64_t kMinItemsPerThread = 4;  // below this, another split costs more than it saves
 constexpr int kBlocksPerSM = 4;            // blocks wanted per multiprocessor
 
-inline int multiprocessors() {
-  int device = 0, count = 0;
+constexpr int kMaxDevices = 64;  // devices whose answers are kept (others are asked every time)
+using PerDevice = std::array<std::atomic<int>, kMaxDevices>;
+
+// ask(device) for the current device, asked once and kept in `known` (what a device is does
+// not change while the process runs): no driver query per launch.
+template <typename Ask>
+int per_device(PerDevice& known, Ask ask) {
+  int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  return count;
+  if (device >= kMaxDevices) return ask(device);
+  int value = known[device].load(std::memory_order_relaxed);
+  if (value == 0) {
+    value = ask(device);
+    known[device].store(value, std::memory_order_relaxed);
+  }
+  return value;
+}
+
+inline int multiprocessors() {
+  static PerDevice known{};
+  return per_device(known, [](int device) {
+    int count = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    return count;
+  });
+}
+
+// Blocks of `threads` threads of `kernel` resident on one multiprocessor, kept per kernel in `known`.
+template <typename Kernel>
+int resident_blocks(PerDevice& known, Kernel kernel, int threads) {
+  return per_device(known, [&](int) {
+    int blocks = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
+    return std::max(blocks, 1);
+  });
 }
 
 // Blocks along the reduced dimension, given `items` packs per channel (group), `threads` of a
@@ -101,6 +133,16 @@ inline int64_t splits_for(int64_t items, int64_t threads, int64_t blocks, int sm
   const int64_t wanted = ceil_div(int64_t(kBlocksPerSM) * sms, blocks);
   const int64_t useful = ceil_div(items, threads * kMinItemsPerThread);
   return std::clamp<int64_t>(std::max(needed, std::min(wanted, useful)), 1, 65535);
+}
+
+// Blocks along the rows of a channels_last reduction: one wave, the `slots` blocks the device
+// holds at once shared by the `tiles` across channels (each thread streams its rows with its
+// loads in flight; more blocks only add partials to merge), fewer where a thread would get
+// under kMinItemsPerThread rows.
+inline int64_t row_splits_for(int64_t rows, int64_t threads, int64_t tiles, int64_t slots) {
+  const int64_t wave = ceil_div(slots, tiles);
+  const int64_t useful = ceil_div(rows, threads * kMinItemsPerThread);
+  return std::clamp<int64_t>(std::min(wave, useful), 1, 65535);
 }
 
 }  // namespace syncbn::cuda

@@ -147,6 +147,8 @@ struct AbnForwardOp {
 template <typename scalar_t, Activation A>
 struct AbnReduceOp {
   using acc_t = at::opmath_type<scalar_t>;
+  // unrolled chunks spill on sm_80 (ptxas' choice at 48 registers): the plain loop
+  static constexpr bool kUnroll = false;
   template <typename T>
   using Kind = Sums<T>;
   using Partial = Kind<double>;

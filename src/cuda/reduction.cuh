@@ -16,9 +16,20 @@ namespace syncbn::cuda {
 // folds between chunks of items), Partial (Kind<double>, in which warps, blocks and splits
 // merge), `State channel(int64_t c)`, `template <int V, bool kPerLane, typename Acc> void
 // item(int64_t i, const State* st, Acc& acc)` (add_pack of the pack's values),
-// `void finish(int64_t c, const Partial& total)`, and optionally kMaxLanes (lanes_for).
+// `void finish(int64_t c, const Partial& total)`, and optionally kMaxLanes (lanes_for) and
+// kUnroll (Unrolls).
 // Every kernel declares its block size (host.cuh) as its __launch_bounds__, and its launch
 // uses that constant.
+
+// Op::kUnroll where Op sets it, else true: whether whole chunks run unrolled (accumulate).
+template <typename Op, typename = void>
+struct Unrolls {
+  static constexpr bool value = true;
+};
+template <typename Op>
+struct Unrolls<Op, std::void_t<decltype(Op::kUnroll)>> {
+  static constexpr bool value = bool(Op::kUnroll);
+};
 
 template <typename Op, int V>
 __global__ void __launch_bounds__(kReduceThreads)
@@ -31,7 +42,8 @@ __global__ void __launch_bounds__(kReduceThreads)
   const int64_t k = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
   int64_t n = k / Sv, s = k % Sv;
   const int64_t dn = stride / Sv, ds = stride % Sv;
-  accumulate<fold_items<V, false>()>(acc, [&] { return n < N; }, [&] {
+  const auto ahead = [&](int items) { return n * Sv + s + (items - 1) * stride < N * Sv; };
+  accumulate<fold_items<V, false>(), (V > 1 && Unrolls<Op>::value)>(acc, [&] { return n < N; }, ahead, [&] {
     op.template item<V, false>(((n * C + c) * Sv + s) * V, &st, acc);
     s += ds;
     n += dn;
@@ -65,7 +77,8 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocks)
   if (active) {
     const int64_t stride = int64_t(gridDim.y) * blockDim.y;
     int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y;
-    accumulate<fold_items<V, true>()>(acc, [&] { return r < M; }, [&] {
+    const auto ahead = [&](int items) { return r + (items - 1) * stride < M; };
+    accumulate<fold_items<V, true>(), Unrolls<Op>::value>(acc, [&] { return r < M; }, ahead, [&] {
       op.template item<V, true>(r * C + g * V, st, acc);
       r += stride;
     });
@@ -131,7 +144,9 @@ void run_reduction(const Op& op, const Layout& l, const at::TensorOptions& optio
     const int64_t groups = l.C / W, tiles = ceil_div(groups, kMaxTileChannels);
     const int64_t TX = ceil_div(groups, tiles), TY = kTileThreads / TX;  // TX <= kMaxTileChannels
     block = dim3(unsigned(TX), unsigned(TY));  // TX * TY <= kTileThreads, the kernel's bound
-    grid = dim3(unsigned(tiles), unsigned(splits_for(l.rows(), TY, tiles, sms)));
+    static PerDevice resident{};
+    const int per_sm = resident_blocks(resident, reduce_channels_last_kernel<Op, W>, kTileThreads);
+    grid = dim3(unsigned(tiles), unsigned(row_splits_for(l.rows(), TY, tiles, int64_t(per_sm) * sms)));
   } else {
     block = dim3(kReduceThreads);
     grid = dim3(unsigned(l.C), unsigned(splits_for(l.N * (l.S / V), kReduceThreads, l.C, sms)));
