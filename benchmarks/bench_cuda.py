@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 from typing import Any, Callable
 
@@ -231,14 +232,18 @@ def summary(rows: list[dict[str, Any]]) -> str:
         return "Our CUDA kernels were not built here: only cuDNN and torch's SyncBN ops were timed."
     layouts = dict.fromkeys(r["layout"] for r in built)
     worst = {key: max(built, key=lambda r: r[key]) for key in ("ours_vs_ops", "ours_vs_cudnn")}
-    best = {key: max(r[f"{key}_bandwidth"] for r in built) for key in ("ours", "frozen", "fused")}
+    fractions = {key: [r[f"{key}_bandwidth"] for r in built if r.get(f"{key}_bandwidth") is not None]
+                 for key in ("ours", "frozen", "fused")}
+    bandwidth = (
+        f" Under the traffic models ours reaches up to {max(fractions['ours']):.0%} of the copy bandwidth in batch "
+        f"norm, {max(fractions['frozen']):.0%} frozen and {max(fractions['fused']):.0%} fused."
+        if all(fractions.values()) else ""
+    )
     return (
         "Against torch's SyncBN ops / cuDNN, ours takes: "
         f"{'; '.join(layout_text(layout, [r for r in built if r['layout'] == layout]) for layout in layouts)}. "
         f"Its slowest case against the ops is {worst['ours_vs_ops']['case']} ({worst['ours_vs_ops']['ours_vs_ops']:.2f}x), "
-        f"against cuDNN {worst['ours_vs_cudnn']['case']} ({worst['ours_vs_cudnn']['ours_vs_cudnn']:.2f}x). Under the "
-        f"traffic models ours reaches up to {best['ours']:.0%} of the copy bandwidth in batch norm, {best['frozen']:.0%} "
-        f"frozen and {best['fused']:.0%} fused."
+        f"against cuDNN {worst['ours_vs_cudnn']['case']} ({worst['ours_vs_cudnn']['ours_vs_cudnn']:.2f}x).{bandwidth}"
     )
 
 
@@ -256,10 +261,26 @@ def main() -> int:
     except RuntimeError as error:
         print(f"bench_cuda: {error}; timing torch's kernels only")
     torch.manual_seed(0)
-    rows = [time_row(case, args.min_run_time) for case in cases(args.quick)]
+    rows = timed_rows(cases(args.quick), args.min_run_time)
     output(args, "cuda", title=TITLE, method=method(args.min_run_time), columns=COLUMNS, rows=rows,
            summary=summary(rows), min_run_time=args.min_run_time, passes=PASSES)
     return 0
+
+
+def timed_rows(all_cases: list[Case], min_run_time: float) -> list[dict[str, Any]]:
+    """Every case's row; a run stopped from outside (SIGTERM, as `timeout` sends, or Ctrl-C) keeps
+    the rows it finished, so that a bounded GPU check still writes what it measured."""
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    rows: list[dict[str, Any]] = []
+    try:
+        for case in all_cases:
+            rows.append(time_row(case, min_run_time))
+    except KeyboardInterrupt:
+        print(f"bench_cuda: stopped after {len(rows)} of {len(all_cases)} cases; writing those", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

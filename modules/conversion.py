@@ -10,6 +10,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from .batchnorm import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d, _bias_kwarg
+from .timm_layers import SyncBatchNormAct2d, from_timm, is_timm_layer, to_timm
 
 _TO_SYNC: dict[type, type[SyncBatchNorm]] = {
     nn.BatchNorm1d: SyncBatchNorm1d,
@@ -64,6 +65,9 @@ def _convert(module: nn.Module, name: str, process_group: Any | None, memo: dict
         result = _move_state(module, _TO_SYNC[type(module)](**_layer_args(module)))  # type: ignore[arg-type]
         result.process_group = process_group if process_group is not None else getattr(module, "process_group", None)
         result.layer_name = name or None
+    elif is_timm_layer(module):
+        result = from_timm(module, process_group)
+        result.layer_name = name or None
     memo[id(module)] = result
     return _rebuild_children(
         module, result, lambda child_name, child: _convert(child, f"{name}.{child_name}" if name else child_name, process_group, memo)
@@ -73,7 +77,8 @@ def _convert(module: nn.Module, name: str, process_group: Any | None, memo: dict
 def _left_behind(layer: nn.Module) -> bool:
     """A batch norm that conversion cannot make ours exactly: any ``_BatchNorm`` that is neither
     ours nor exactly one of torch's four classes (subclasses, lazy, quantized ones...)."""
-    return isinstance(layer, _BatchNorm) and not isinstance(layer, SyncBatchNorm) and type(layer) not in _TO_SYNC
+    return (isinstance(layer, _BatchNorm) and not isinstance(layer, SyncBatchNorm) and type(layer) not in _TO_SYNC
+            and not is_timm_layer(layer))
 
 
 def _entry(layer: nn.Module, paths: list[str]) -> str:
@@ -103,7 +108,7 @@ def _report_left_behind(module: nn.Module, strict: bool, function: str, outcome:
         return
     text = (
         f"{function} {'would leave' if strict else 'leaves'} {len(entries)} batch norm layer(s) as they are, "
-        f"{outcome} (only nn.BatchNorm1d/2d/3d and nn.SyncBatchNorm convert exactly): {'; '.join(entries)}. "
+        f"{outcome} (only nn.BatchNorm1d/2d/3d, nn.SyncBatchNorm and timm's BatchNormAct2d, SyncBatchNormAct and FrozenBatchNormAct2d convert exactly): {'; '.join(entries)}. "
         "Convert or replace them yourself"
     )
     if strict:
@@ -113,7 +118,9 @@ def _report_left_behind(module: nn.Module, strict: bool, function: str, outcome:
 
 
 def convert_sync_batchnorm(module: nn.Module, process_group: Any | None = None, *, strict: bool = False) -> nn.Module:
-    """Turn every ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` in ``module`` into ours.
+    """Turn every ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` in ``module`` into ours, and
+    timm's ``BatchNormAct2d``, ``SyncBatchNormAct`` and ``FrozenBatchNormAct2d`` into
+    :class:`modules.timm_layers.SyncBatchNormAct2d` (same ``drop``, ``act`` and state_dict keys).
 
     The new layers hold the very same weight and bias Parameters (so optimizers keep working),
     buffers, requires_grad, training flag, device and dtype (and an ``nn.SyncBatchNorm``'s
@@ -135,7 +142,9 @@ def _revert(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
     if id(module) in memo:
         return memo[id(module)]
     result = module
-    if isinstance(module, SyncBatchNorm):
+    if isinstance(module, SyncBatchNormAct2d):
+        result = to_timm(module)
+    elif isinstance(module, SyncBatchNorm):
         if module.frozen or module.activation is not None:
             what = "is frozen" if module.frozen else f"has the fused activation {module.activation!r}"
             raise ValueError(f"{module._label()} {what}, which nn.BatchNorm cannot express; unfreeze it or build it unfused")
@@ -150,8 +159,10 @@ def _revert(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
 
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """The way back: our layers become ``nn.BatchNorm1d/2d/3d`` (``SyncBatchNorm``, of any
-    rank, becomes ``nn.SyncBatchNorm``), keeping parameters, buffers and the training flag.
-    Raises ValueError for a frozen layer or one with a fused activation (torch's have neither)."""
+    rank, becomes ``nn.SyncBatchNorm``), keeping parameters, buffers and the training flag; a
+    ``SyncBatchNormAct2d`` becomes the timm layer it came from (``timm_class``). Raises
+    ValueError for a frozen layer or one with a fused activation (torch's have neither), and
+    for a timm layer whose frozen state its timm class cannot express."""
     return _revert(module, {})
 
 

@@ -5,7 +5,7 @@ functions that convert, freeze and fuse a model's batch norms and recompute thei
 
 A facade: the layers are in :mod:`modules.batchnorm`, the activated ones (``inplace_abn``'s) in :mod:`modules.inplace_abn`, the converters in
 :mod:`modules.conversion`, the fusion pass in :mod:`modules.fusion`, the statistics' recomputation
-in :mod:`modules.population`; none of them imports this
+in :mod:`modules.population`, timm's batch norm + activation layers in :mod:`modules.timm_layers`; none of them imports this
 module.
 """
 from . import batchnorm
@@ -24,5 +24,6 @@ from .inplace_abn import ABN, InPlaceABN, InPlaceABNSync
 from .conversion import convert_sync_batchnorm, freeze_batchnorm, revert_sync_batchnorm
 from .fusion import InPlaceConversion, convert_inplace_abn, fuse_bn_act
 from .population import update_bn
+from .timm_layers import SyncBatchNormAct2d
 
-__all__ = [*batchnorm.__all__, *inplace_abn.__all__, "InPlaceConversion", "convert_inplace_abn", "convert_sync_batchnorm", "freeze_batchnorm", "fuse_bn_act", "revert_sync_batchnorm", "update_bn"]
+__all__ = [*batchnorm.__all__, *inplace_abn.__all__, "InPlaceConversion", "SyncBatchNormAct2d", "convert_inplace_abn", "convert_sync_batchnorm", "freeze_batchnorm", "fuse_bn_act", "revert_sync_batchnorm", "update_bn"]

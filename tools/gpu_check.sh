@@ -66,7 +66,7 @@ if [ -f "$BUILDS/build.tar.gz" ] && [ "$(tar -xzOf "$BUILDS/build.tar.gz" build.
     echo "build rc=0 limit=0s took=0s (carried, $source_hash)" | tee -a "$SUMMARY"
 else
     arch=$($PY -c "import torch; print('%d.%d' % torch.cuda.get_device_capability(0))")
-    step build 150 env TORCH_CUDA_ARCH_LIST="$arch" SYNCBN_CUDA=1 MAX_JOBS="$(nproc)" PYTHON_CMD="$PY" ./make_ext.sh || exit 1
+    step build 135 env TORCH_CUDA_ARCH_LIST="$arch" SYNCBN_CUDA=1 MAX_JOBS="$(nproc)" PYTHON_CMD="$PY" ./make_ext.sh || exit 1
     echo "$source_hash" > functions/build.hash
     (cd functions && tar -czf "$OUT/build.tar.gz" build.hash _C_*.so) && rm functions/build.hash
 fi
@@ -78,11 +78,11 @@ step races 60 $PYTEST --timeout 60 tests/test_cuda.py tests/test_cuda_route.py \
 step graphs 30 $PYTEST --timeout 25 tests/test_cuda.py -k "captur"
 step ranks 55 $PY tools/gpu_ranks.py
 OURS="--cuda-kernels compiled"  # our CUDA kernels serve (tests/conftest.py)
-step sanitize 50 compute-sanitizer --tool racecheck --kernel-name kns=syncbn --error-exitcode 9 \
+step sanitize 30 compute-sanitizer --tool racecheck --kernel-name kns=syncbn --error-exitcode 9 \
     $PY -m pytest -q -x -p no:cacheprovider $OURS tests/test_kernels.py -k "cuda and test_each_op and float32 and not 0"
-step synccheck 25 compute-sanitizer --tool synccheck --kernel-name kns=syncbn --error-exitcode 9 \
+step synccheck 15 compute-sanitizer --tool synccheck --kernel-name kns=syncbn --error-exitcode 9 \
     $PY -m pytest -q -x -p no:cacheprovider $OURS tests/test_kernels.py -k "cuda and test_each_op and float32 and not 0"
-step kernels 90 $PYTEST $OURS --timeout 60 -x tests/test_kernels.py tests/test_ops.py tests/test_cuda.py -k cuda
+step kernels 110 $PYTEST $OURS --timeout 60 -x tests/test_kernels.py tests/test_ops.py tests/test_cuda.py -k cuda
 step compile 35 $PY - <<'EOF'
 import copy, torch
 from torch import nn
@@ -98,5 +98,5 @@ for (name, a), b in zip(ours.named_buffers(), eager.buffers()):
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
 print("torch.compile(fullgraph=True), lone replica on CUDA: ok")
 EOF
-step timing 45 $PY benchmarks/bench_cuda.py --min-run-time 0.05 --results-dir "$OUT"
+step timing 70 $PY benchmarks/bench_cuda.py --min-run-time 0.05 --results-dir "$OUT"
 exit 0

@@ -39,5 +39,5 @@ for case in cases(quick=True):
     torch.cuda.profiler.stop()
 EOF
 rc=$?
-echo "gpu_profile rc=$rc ($(grep -c syncbn "$OUT/ncu.csv") kernel launches read)"
+echo "gpu_profile rc=$rc ($(grep -c "_kernel" "$OUT/ncu.csv") kernel launches read)"
 exit $rc

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# tests/test_timm.py with the real timm, in an environment of its own: timm needs torchvision,
+# whose wheels load only with the torch build they were made for, and the CPU build of torch that
+# the suite uses has no torchvision in the package registry. So this makes a virtual environment
+# with a CUDA wheel of torch (it runs on the CPU), its torchvision and timm, builds the compiled
+# kernels against that torch in a copy of the tree (the suite's build stays as it is), and runs
+# the timm tests there. About 5 minutes from nothing (a 3 GB download); the environment is kept
+# in $TIMM_ENV for the next run.
+#
+#   tools/test_timm.sh                    # TIMM_ENV (default: /tmp/syncbn-timm-env), PYTHON (python)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ENV=${TIMM_ENV:-/tmp/syncbn-timm-env}
+TREE="$ENV/tree"
+[ -x "$ENV/bin/python" ] || "${PYTHON:-python}" -m venv "$ENV"
+"$ENV/bin/python" -m pip install --quiet torch==2.14.1 torchvision==0.29.1 timm \
+    -r requirements.txt -r requirements-build.txt pytest hypothesis
+rm -rf "$TREE" && mkdir -p "$TREE"
+git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$TREE"
+(cd "$TREE" && SYNCBN_CUDA=0 PYTHON_CMD="$ENV/bin/python" ./make_ext.sh > "$ENV/build.log" 2>&1) \
+    || { cat "$ENV/build.log"; exit 1; }
+cd "$TREE" && "$ENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_timm.py
