@@ -28,7 +28,10 @@ The cases (``--cases``):
 * ``2d``: Conv2d, BatchNorm2d, ReLU, Conv2d, BatchNorm2d;
 * ``3d``: Conv3d, BatchNorm3d, ReLU, Conv3d, BatchNorm3d;
 * ``inplace``: Conv2d, BatchNorm2d, LeakyReLU(0.1), Conv2d, BatchNorm2d, ELU(0.7), made in-place
-  activated batch norms (``InPlaceABN``) by ``modules.nn.convert_inplace_abn``.
+  activated batch norms (``InPlaceABN``) by ``modules.nn.convert_inplace_abn``;
+* ``checkpoint``: the ``2d`` network, its first conv, batch norm and ReLU under
+  ``torch.utils.checkpoint`` (non-reentrant) in ours only: their forward runs again in backward,
+  and the running statistics and num_batches_tracked must still be those of one forward.
 
 In each case the first batch norm uses momentum 0.1 and the last one momentum None (the
 cumulative average, which depends on num_batches_tracked); batch norm weights and biases start
@@ -69,6 +72,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from syncbn.functions import backend_info
 from testkit.local_group import run_local_group
@@ -141,11 +145,33 @@ def in_place(model: nn.Module) -> nn.Module:
     return done.module
 
 
+class CheckpointedSequential(nn.Sequential):
+    """``nn.Sequential`` (same layers, same names) whose first ``k`` layers run under
+    ``torch.utils.checkpoint`` (non-reentrant): their forward runs again in backward."""
+
+    def __init__(self, layers: nn.Sequential, k: int) -> None:
+        super().__init__(*layers)
+        self.k = k
+
+    def forward(self, x: Tensor) -> Tensor:
+        layers = list(self)
+        x = checkpoint(nn.Sequential(*layers[: self.k]), x, use_reentrant=False)
+        for layer in layers[self.k :]:
+            x = layer(x)
+        return x
+
+
+def checkpointed(model: nn.Module) -> nn.Module:
+    """Ours, its first conv, batch norm and ReLU recomputed in backward by checkpoint."""
+    return CheckpointedSequential(NN.convert_sync_batchnorm(model), 3)
+
+
 CASES: dict[str, Case] = {
     "1d": Case(build_1d, (8,), None),
     "2d": Case(build_2d, (3, 8, 8), torch.channels_last),
     "3d": Case(build_3d, (2, 5, 5, 5), torch.channels_last_3d),
     "inplace": Case(build_inplace, (3, 8, 8), torch.channels_last, in_place),
+    "checkpoint": Case(build_2d, (3, 8, 8), torch.channels_last, checkpointed),
 }
 
 

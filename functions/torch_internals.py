@@ -76,6 +76,12 @@ def functorch_transforms_active() -> bool:
     return torch._C._are_functorch_transforms_active()
 
 
+def is_reentrant_checkpoint_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is torch.utils.checkpoint(use_reentrant=True) refusing a backward
+    through ``torch.autograd.grad`` (a RuntimeError told apart by its text alone)."""
+    return isinstance(error, RuntimeError) and "use_reentrant=True, torch.utils.checkpoint is incompatible" in str(error)
+
+
 def is_checkpoint_stop(error: BaseException) -> bool:
     """Whether ``error`` is torch.utils.checkpoint's stop of a recomputation (control flow, its
     class private)."""

@@ -19,22 +19,15 @@ from ..functions.synchronization.distributed import ProcessGroupSync, active_pro
 from ..functions.operators.reference import values_per_channel
 from ..functions.stats import check_values_per_channel
 from ..functions.synchronization.synchronizer import Synchronizer, check_not_captured
+from ..functions.synchronization.replica_threads import in_recomputation
 from ..functions.synchronization.replicas import (
     REPLICA_ATTR, ReplicaHandle, RoundTracker, resolve_timeout, warn_if_data_parallel_meets_no_one,
 )
 
 from .compiler import disable_when_compiling
 
-__all__ = [
-    "SyncBatchNorm",
-    "SyncBatchNorm1d",
-    "SyncBatchNorm2d",
-    "SyncBatchNorm3d",
-    "BatchNorm1d",
-    "BatchNorm2d",
-    "BatchNorm3d",
-    "consecutive_rank_groups",
-]
+__all__ = ["SyncBatchNorm", "SyncBatchNorm1d", "SyncBatchNorm2d", "SyncBatchNorm3d",
+           "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "consecutive_rank_groups"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 ACTIVATIONS = (None, "relu", "leaky_relu")
@@ -280,6 +273,18 @@ class SyncBatchNorm(_BatchNorm):
             return self._activate(self._torch_batch_norm_train(input), z)
         return self._batch_stats(sync_batch_norm, input, z, sync=None)
 
+    def _running_state(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """(running_mean, running_var, num_batches_tracked) that a call with batch statistics
+        updates: none outside training; copies in a backward pass, where a forward is
+        torch.utils.checkpoint's recomputation of one that updated them already (the same
+        tensors saved, the buffers untouched; compiled graphs have no such pass)."""
+        if not (self.training and self.track_running_stats):
+            return None, None, None
+        state = (self.running_mean, self.running_var, self.num_batches_tracked)
+        if torch.compiler.is_compiling() or not in_recomputation():
+            return state
+        return tuple(None if t is None else t.clone() for t in state)  # type: ignore[return-value]
+
     def _uses_batch_stats(self) -> bool:
         """Batch statistics: in training unless frozen, and in eval without running statistics."""
         return not self.frozen and (self.training or (self.running_mean is None and self.running_var is None))
@@ -303,10 +308,9 @@ class SyncBatchNorm(_BatchNorm):
     def _torch_batch_norm_train(self, input: Tensor) -> Tensor:
         """``nn.BatchNorm*.forward`` in training with ``momentum`` set, less the checks that
         :meth:`_check_input` has made: the lone replica's fixed cost is mostly such Python."""
-        tracks = self.track_running_stats
-        if tracks and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-        running_mean, running_var = (self.running_mean, self.running_var) if tracks else (None, None)
+        running_mean, running_var, num_batches_tracked = self._running_state()
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
         return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, True, self.momentum, self.eps)
 
     @disable_when_compiling
@@ -342,16 +346,16 @@ class SyncBatchNorm(_BatchNorm):
         """``function`` (:func:`~functions.sync_batch_norm` or
         :func:`~functions.sync_batchnorm.native_sync_batch_norm`) on this layer's state, with
         ``meeting`` (its ``sync``); ``label``: :meth:`_label`, where the caller made it already."""
-        updates = self.training and self.track_running_stats
+        running_mean, running_var, num_batches_tracked = self._running_state()
         return function(
             input,
-            self.running_mean if updates else None,
-            self.running_var if updates else None,
+            running_mean,
+            running_var,
             self.weight,
             self.bias,
             self.momentum,
             self.eps,
-            num_batches_tracked=self.num_batches_tracked if updates else None,
+            num_batches_tracked=num_batches_tracked,
             layer=label if label is not None else self._label(),
             residual=z,
             negative_slope=self._negative_slope(),

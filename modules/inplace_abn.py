@@ -156,11 +156,10 @@ class InPlaceABN(ABN):
 
     def _inplace_traced(self, input: Tensor, group: Any) -> Tensor:
         """Ranks alone under torch.compile: the exchange in the graph (:mod:`functions.synchronization.traced_ranks`)."""
-        updates = self.track_running_stats
+        running_mean, running_var, num_batches_tracked = self._running_state()
         return traced_inplace_abn(
-            input, self.weight, self.bias, self.running_mean if updates else None, self.running_var if updates else None,
-            self.momentum, self.eps, self.activation, self.activation_param,
-            num_batches_tracked=self.num_batches_tracked if updates else None, group=group, layer=self._label(),
+            input, self.weight, self.bias, running_mean, running_var, self.momentum, self.eps, self.activation,
+            self.activation_param, num_batches_tracked=num_batches_tracked, group=group, layer=self._label(),
         )
 
     def _check_writable(self, input: Tensor) -> None:
@@ -179,19 +178,20 @@ class InPlaceABN(ABN):
         return self._inplace(input, sync, batch_stats=True)
 
     def _inplace(self, input: Tensor, sync: Synchronizer | None, batch_stats: bool) -> Tensor:
-        updates = batch_stats and self.training and self.track_running_stats
+        # batch statistics update the running ones (_running_state); fixed ones are read
+        running = self._running_state() if batch_stats else (self.running_mean, self.running_var, None)
         return inplace_abn(
             input,
             self.weight,
             self.bias,
-            self.running_mean if updates or not batch_stats else None,
-            self.running_var if updates or not batch_stats else None,
+            running[0],
+            running[1],
             batch_stats,
             self.momentum,
             self.eps,
             self.activation,
             self.activation_param,
-            num_batches_tracked=self.num_batches_tracked if updates else None,
+            num_batches_tracked=running[2],
             sync=sync,
             layer=self._label(),
         )

@@ -13,8 +13,15 @@ from torch.autograd.function import Function, once_differentiable
 from torch.autograd.graph import increment_version
 
 from ..devices import fetch
+from ..torch_internals import is_reentrant_checkpoint_refusal
 from .replica_threads import ThreadState, run_in_threads
 from .replicas import ReplicaRound
+
+REENTRANT_CHECKPOINT = (
+    "ThreadedDataParallel: a replica's backward runs through torch.autograd.grad, which "
+    "torch.utils.checkpoint(use_reentrant=True) refuses inside the replicas; pass use_reentrant=False "
+    "(our layers recompute under it with the statistics of one forward), or checkpoint around the wrapper"
+)
 
 
 def gather(values: Sequence[Any], device: torch.device, dim: int) -> Any:
@@ -112,7 +119,12 @@ class ReplicaRun:
         # the one running the gather's backward, which waits for this one (a deadlock on CUDA)
         with state.on(self.devices[j]), torch.autograd.set_multithreading_enabled(False):
             # retained: the outer graph decides when the replicas' graphs go (see the class)
-            result: list[Any] = list(torch.autograd.grad(outs, leaves, out_grads, retain_graph=True, allow_unused=True))
+            try:
+                result: list[Any] = list(torch.autograd.grad(outs, leaves, out_grads, retain_graph=True, allow_unused=True))
+            except RuntimeError as error:
+                if is_reentrant_checkpoint_refusal(error):
+                    raise RuntimeError(REENTRANT_CHECKPOINT) from error
+                raise
             for i, rows in enumerate(first_rows):
                 if rows is not None and result[i] is not None:
                     rows.copy_(result[i])

@@ -1,0 +1,123 @@
+"""Activation checkpointing (torch.utils.checkpoint): a forward recomputed in backward leaves the
+running statistics and num_batches_tracked as one forward does, with the outputs and gradients
+of the same model without checkpointing on the whole batch, on one device (reentrant too), under
+ThreadedDataParallel (checkpoint around the wrapper and inside the replicas) and across ranks
+(against nn.BatchNorm2d); float64, three steps, uneven replica batches; batch norm, the
+cumulative average, a fused activation, in-place ABN and a frozen layer."""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+
+from syncbn import nn as NN
+from syncbn.parallel import ThreadedDataParallel
+from testkit.local_group import run_local_group
+
+F64 = torch.float64
+TOL = dict(atol=1e-12, rtol=1e-12)
+
+
+class Net(nn.Module):
+    """conv -> norm (the block, checkpointed where ``inner``) -> conv -> our BN, plus a residual."""
+
+    def __init__(self, norm: Callable[[], nn.Module], inner: bool = False, reentrant: bool = False) -> None:
+        super().__init__()
+        self.inner, self.reentrant = inner, reentrant
+        self.block = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), norm())
+        self.head = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), NN.BatchNorm2d(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self.block, x, use_reentrant=self.reentrant) if self.inner else self.block(x)
+        return self.head(h) + h
+
+
+LAYERS = {
+    "bn": lambda: NN.BatchNorm2d(4),
+    "cumulative": lambda: NN.BatchNorm2d(4, momentum=None),
+    "fused_relu": lambda: NN.BatchNorm2d(4, activation="relu"),
+    "inplace_abn": lambda: NN.InPlaceABN(4, activation="leaky_relu", activation_param=0.01),
+    "frozen": lambda: NN.BatchNorm2d(4).freeze(),
+}
+
+
+def train(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor):
+    """Forward and backward: the output and the input's gradient."""
+    xi = x.clone().requires_grad_()
+    y = forward(xi)
+    y.pow(2).sum().backward()
+    return y.detach(), xi.grad
+
+
+def assert_equal_models(ours: nn.Module, theirs: nn.Module) -> None:
+    """Every gradient and every buffer (num_batches_tracked too), by position."""
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
+    for (name, a), b in zip(ours.named_buffers(), theirs.buffers(), strict=True):
+        torch.testing.assert_close(a, b, **TOL, msg=name)
+
+
+PATHS = {  # how the checkpointed model runs: (Net's checkpoint arguments, replicas, a checkpoint around
+    # the wrapper: None, or its use_reentrant)
+    "lone": (dict(inner=True), None, None),
+    "lone_reentrant": (dict(inner=True, reentrant=True), None, None),
+    "threads_inside": (dict(inner=True), 3, None),
+    "threads_around": (dict(), 3, False),
+    "threads_around_reentrant": (dict(), 3, True),
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("layer", LAYERS)
+def test_a_recomputed_forward_updates_nothing_twice(layer, path) -> None:
+    """Against the same model without checkpointing, on the whole batch on one device."""
+    net_args, replicas, around = PATHS[path]
+    torch.manual_seed(0)
+    plain = Net(LAYERS[layer]).to(F64)
+    ours = Net(LAYERS[layer], **net_args).to(F64)
+    ours.load_state_dict(plain.state_dict())
+    wrapped = ThreadedDataParallel(ours, ["cpu"] * replicas) if replicas else ours
+    forward = wrapped if around is None else (lambda x: checkpoint(wrapped, x, use_reentrant=around))
+    for _ in range(3):
+        x = torch.randn(7, 3, 5, 5, dtype=F64)  # 3 replicas: 3, 3 and 1 samples
+        for got, want in zip(train(ours, forward, x), train(plain, plain, x), strict=True):
+            torch.testing.assert_close(got, want, **TOL)
+        assert_equal_models(ours, plain)
+        ours.zero_grad(), plain.zero_grad()
+
+
+def test_reentrant_checkpoint_inside_thread_replicas_says_what_to_do() -> None:
+    model = ThreadedDataParallel(Net(LAYERS["bn"], inner=True, reentrant=True).to(F64), ["cpu"] * 2)
+    with pytest.raises(RuntimeError, match=r"ThreadedDataParallel: .* pass use_reentrant=False"):
+        model(torch.randn(4, 3, 5, 5, dtype=F64, requires_grad=True)).sum().backward()
+
+
+def ranks_checkpointed(rank: int, world: int) -> None:
+    """Each rank checkpoints its rows' block under DDP (3 and 4 rows); torch's model takes all 7."""
+    torch.manual_seed(0)
+    theirs = NN.revert_sync_batchnorm(Net(lambda: nn.BatchNorm2d(4))).to(F64)  # torch's layers only
+    ours = Net(lambda: NN.BatchNorm2d(4), inner=True).to(F64)
+    ours.load_state_dict(theirs.state_dict())
+    ddp = DistributedDataParallel(ours)
+    rows = [slice(0, 3), slice(3, 7)][rank]
+    for _ in range(3):
+        x = torch.randn(7, 3, 5, 5, dtype=F64)
+        mine, whole = x[rows].clone().requires_grad_(), x.clone().requires_grad_()
+        y, y_whole = ddp(mine), theirs(whole)
+        y.pow(2).sum().backward(), y_whole.pow(2).sum().backward()
+        torch.testing.assert_close(y, y_whole[rows], **TOL)
+        torch.testing.assert_close(mine.grad, whole.grad[rows], **TOL)
+        for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+            torch.testing.assert_close(p.grad * world, q.grad, **TOL, msg=name)  # DDP averages
+        for (name, a), b in zip(ours.named_buffers(), theirs.buffers(), strict=True):
+            torch.testing.assert_close(a, b, **TOL, msg=name)
+        ours.zero_grad(), theirs.zero_grad()
+
+
+def test_ranks_recomputing_a_forward_update_nothing_twice() -> None:
+    run_local_group(ranks_checkpointed, 2, timeout_s=60)
