@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# tests/test_timm.py with the real timm, in an environment of its own: timm needs torchvision,
+# tests/test_timm.py and tests/test_torchvision.py with the real timm and torchvision, in an
+# environment of their own: timm needs torchvision,
 # whose wheels load only with the torch build they were made for, and the CPU build of torch that
 # the suite uses has no torchvision in the package registry. So this makes a virtual environment
 # with a CUDA wheel of torch (it runs on the CPU), its torchvision and timm, builds the compiled
@@ -19,4 +20,4 @@ rm -rf "$TREE" && mkdir -p "$TREE"
 git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$TREE"
 (cd "$TREE" && SYNCBN_CUDA=0 PYTHON_CMD="$ENV/bin/python" ./make_ext.sh > "$ENV/build.log" 2>&1) \
     || { cat "$ENV/build.log"; exit 1; }
-cd "$TREE" && "$ENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_timm.py
+cd "$TREE" && "$ENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_timm.py tests/test_torchvision.py
