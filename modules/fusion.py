@@ -14,6 +14,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .conversion import _TO_SYNC, _TO_TORCH, _convert, _layer_args, _move_state
 from .batchnorm import SyncBatchNorm
 from .inplace_abn import InPlaceABN
+from .timm_layers import SyncBatchNormAct2d
 
 _ACTIVATION_MODULES = {nn.ReLU: "relu", nn.LeakyReLU: "leaky_relu"}
 _RELU_FUNCTIONS = {F.relu, torch.relu, torch.relu_, getattr(F, "relu_", F.relu)}
@@ -129,8 +130,8 @@ def _replace_traced_pairs(model: nn.Module, pair_layer: PairLayer) -> nn.Module:
 
 
 def _is_batch_norm(layer: Any) -> bool:
-    """torch's batch norm or ours."""
-    return type(layer) in _TO_SYNC or isinstance(layer, SyncBatchNorm)
+    """torch's batch norm or ours; not timm's batch norm + activation, whose own act comes first."""
+    return type(layer) in _TO_SYNC or (isinstance(layer, SyncBatchNorm) and not isinstance(layer, SyncBatchNormAct2d))
 
 
 def _fused_pair(pair: _TracedPair, modules: dict[str, nn.Module], held: dict[int, int]) -> SyncBatchNorm | None:

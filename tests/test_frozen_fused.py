@@ -326,3 +326,16 @@ def test_convert_keeps_layers_plain_and_revert_refuses_what_torch_cannot_express
         NN.revert_sync_batchnorm(fused)
     with pytest.raises(ValueError, match="is frozen"):
         NN.revert_sync_batchnorm(NN.freeze_batchnorm(conv_bn_relu()))
+
+
+@pytest.mark.parametrize("fuse", ["fuse_bn_act", "convert_inplace_abn"])
+def test_a_batch_norm_with_its_own_activation_is_not_fused_again(fuse) -> None:
+    # timm's layout: act (here SiLU, applied after the batch norm) comes before the next ReLU
+    model = nn.Sequential(NN.SyncBatchNormAct2d(4, act_layer=nn.SiLU), nn.ReLU()).double()
+    x = torch.randn(5, 4, 3, 3, dtype=torch.float64)
+    expected = model(x)
+    layer = model[0]
+    result = getattr(NN, fuse)(model)
+    fused = result if fuse == "fuse_bn_act" else result.module
+    assert fused[0] is layer and type(fused[1]) is nn.ReLU and isinstance(layer.act, nn.SiLU)
+    torch.testing.assert_close(fused(x), expected, atol=1e-14, rtol=1e-14)
