@@ -66,6 +66,11 @@ def current_graph_task_id() -> int:
     return torch._C._current_graph_task_id()
 
 
+def in_backward_pass() -> bool:
+    """Whether this thread runs inside a backward pass."""
+    return current_graph_task_id() != -1
+
+
 def at_backward_end(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the running backward pass ends (on its thread)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)

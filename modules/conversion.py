@@ -10,7 +10,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from .batchnorm import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d, _bias_kwarg
-from .timm_layers import SyncBatchNormAct2d, from_timm, is_timm_layer, to_timm
+from .timm_layers import FROZEN_BATCH_NORM_ACT, SyncBatchNormAct2d, is_timm_layer, qualified_name
 
 _TO_SYNC: dict[type, type[SyncBatchNorm]] = {
     nn.BatchNorm1d: SyncBatchNorm1d,
@@ -21,8 +21,8 @@ _TO_SYNC: dict[type, type[SyncBatchNorm]] = {
 _TO_TORCH: dict[type, type[_BatchNorm]] = {sync: plain for plain, sync in _TO_SYNC.items()}
 
 
-def _move_state(source: _BatchNorm, target: _BatchNorm) -> _BatchNorm:
-    """Give ``target`` the very parameters, buffers and training flag of ``source``."""
+def _move_state(source: nn.Module, target: nn.Module) -> nn.Module:
+    """Give ``target`` the very parameters, buffers and training flag of ``source`` (batch norms)."""
     target.weight, target.bias = source.weight, source.bias
     target.running_mean, target.running_var = source.running_mean, source.running_var
     target.num_batches_tracked = source.num_batches_tracked
@@ -44,6 +44,56 @@ def _layer_args(layer: _BatchNorm) -> dict[str, Any]:
     )
 
 
+def _timm_layer_args(layer: nn.Module, frozen: bool) -> dict[str, Any]:
+    if frozen:  # timm's frozen layer: affine, with running statistics, eps only
+        return dict(num_features=layer.weight.numel(), eps=layer.eps, apply_act=False, device="meta")
+    return dict(num_features=layer.num_features, eps=layer.eps, momentum=layer.momentum, affine=layer.affine,
+                track_running_stats=layer.track_running_stats, apply_act=False, device="meta")
+
+
+def _from_timm(layer: nn.Module) -> SyncBatchNormAct2d:
+    """Ours for one of timm's layers, holding its very tensors, ``drop`` and ``act``."""
+    frozen = qualified_name(type(layer)) == FROZEN_BATCH_NORM_ACT
+    ours = SyncBatchNormAct2d(**_timm_layer_args(layer, frozen))
+    ours.timm_class = type(layer)
+    if frozen:  # timm's frozen layer: four buffers in this order (weight and bias too), no step count
+        for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
+            delattr(ours, name)
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            ours.register_buffer(name, getattr(layer, name))
+        ours.register_buffer("num_batches_tracked", None)
+        ours.freeze().train(layer.training)
+    else:
+        _move_state(layer, ours)
+    ours.set_drop_act(layer.drop, layer.act)
+    return ours
+
+
+def _to_timm(layer: SyncBatchNormAct2d) -> nn.Module:
+    """timm's layer back from ours (its ``timm_class``), holding our tensors, ``drop`` and ``act``."""
+    import timm.layers.norm_act as norm_act
+
+    cls = layer.timm_class or norm_act.BatchNormAct2d
+    frozen_class = qualified_name(cls) == FROZEN_BATCH_NORM_ACT
+    if layer.frozen != frozen_class:
+        what = "is frozen" if layer.frozen else "is not frozen"
+        raise ValueError(f"{layer._label()} {what}, which timm's {cls.__name__} cannot express; "
+                         f"{'unfreeze' if layer.frozen else 'freeze'} it first")
+    if frozen_class:
+        timm_layer = cls(layer.num_features, eps=layer.eps, apply_act=False, device="meta")
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            timm_layer.register_buffer(name, getattr(layer, name))
+    else:
+        timm_layer = cls(layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats,
+                         device="meta", **({"apply_act": False} if cls is norm_act.BatchNormAct2d else {}))
+        if cls is norm_act.SyncBatchNormAct:
+            timm_layer.process_group = layer.process_group
+        _move_state(layer, timm_layer)
+    timm_layer.drop, timm_layer.act = layer.drop, layer.act
+    timm_layer.train(layer.training)
+    return timm_layer
+
+
 def _rebuild_children(module: nn.Module, result: nn.Module, convert_child) -> nn.Module:
     """Put ``convert_child(name, child)`` in each child slot of ``result``; every slot, so that
     a layer held twice is replaced in both places."""
@@ -61,12 +111,12 @@ def _convert(module: nn.Module, name: str, process_group: Any | None, memo: dict
         if process_group is not None:
             module.process_group = process_group
         module.layer_name = module.layer_name or name or None
-    elif type(module) in _TO_SYNC:
-        result = _move_state(module, _TO_SYNC[type(module)](**_layer_args(module)))  # type: ignore[arg-type]
+    elif type(module) in _TO_SYNC or is_timm_layer(module):
+        if type(module) in _TO_SYNC:
+            result = _move_state(module, _TO_SYNC[type(module)](**_layer_args(module)))  # type: ignore[arg-type]
+        else:
+            result = _from_timm(module)
         result.process_group = process_group if process_group is not None else getattr(module, "process_group", None)
-        result.layer_name = name or None
-    elif is_timm_layer(module):
-        result = from_timm(module, process_group)
         result.layer_name = name or None
     memo[id(module)] = result
     return _rebuild_children(
@@ -143,7 +193,7 @@ def _revert(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
         return memo[id(module)]
     result = module
     if isinstance(module, SyncBatchNormAct2d):
-        result = to_timm(module)
+        result = _to_timm(module)
     elif isinstance(module, SyncBatchNorm):
         if module.frozen or module.activation is not None:
             what = "is frozen" if module.frozen else f"has the fused activation {module.activation!r}"

@@ -179,19 +179,20 @@ class InPlaceABN(ABN):
 
     def _inplace(self, input: Tensor, sync: Synchronizer | None, batch_stats: bool) -> Tensor:
         # batch statistics update the running ones (_running_state); fixed ones are read
-        running = self._running_state() if batch_stats else (self.running_mean, self.running_var, None)
+        running_mean, running_var, num_batches_tracked = (
+            self._running_state() if batch_stats else (self.running_mean, self.running_var, None))
         return inplace_abn(
             input,
             self.weight,
             self.bias,
-            running[0],
-            running[1],
+            running_mean,
+            running_var,
             batch_stats,
             self.momentum,
             self.eps,
             self.activation,
             self.activation_param,
-            num_batches_tracked=running[2],
+            num_batches_tracked=num_batches_tracked,
             sync=sync,
             layer=self._label(),
         )

@@ -1,7 +1,7 @@
-"""timm's batch norm + activation layers as ours, and back: ``BatchNormAct2d``,
-``SyncBatchNormAct`` and ``FrozenBatchNormAct2d`` (``timm.layers.norm_act``) become
-:class:`SyncBatchNormAct2d`, with the same parameters, buffers, ``drop`` and ``act`` modules and
-``state_dict`` keys.
+"""timm's batch norm + activation layers as ours: ``BatchNormAct2d``, ``SyncBatchNormAct`` and
+``FrozenBatchNormAct2d`` (``timm.layers.norm_act``) become :class:`SyncBatchNormAct2d`, with the
+same parameters, buffers, ``drop`` and ``act`` modules and ``state_dict`` keys (the conversion
+both ways is :mod:`modules.conversion`'s).
 
 timm is never imported here unless a layer is built from an activation name: its classes are
 recognised by their qualified names, so the library does not depend on timm.
@@ -103,60 +103,3 @@ class SyncBatchNormAct2d(SyncBatchNorm2d):
             nn.Module._load_from_state_dict(self, state_dict, prefix, *args)
         else:
             super()._load_from_state_dict(state_dict, prefix, *args)
-
-
-def _our_args(layer: nn.Module, frozen: bool) -> dict[str, Any]:
-    if frozen:  # timm's frozen layer: affine, with running statistics, eps only
-        return dict(num_features=layer.weight.numel(), eps=layer.eps, apply_act=False, device="meta")
-    return dict(num_features=layer.num_features, eps=layer.eps, momentum=layer.momentum, affine=layer.affine,
-                track_running_stats=layer.track_running_stats, apply_act=False, device="meta")
-
-
-def from_timm(layer: nn.Module, process_group: Any | None) -> SyncBatchNormAct2d:
-    """Ours for one of timm's layers, holding its very tensors, ``drop`` and ``act``."""
-    frozen = qualified_name(type(layer)) == FROZEN_BATCH_NORM_ACT
-    ours = SyncBatchNormAct2d(**_our_args(layer, frozen))
-    ours.timm_class = type(layer)
-    if frozen:  # timm's frozen layer: four buffers in this order (weight and bias too), no step count
-        for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
-            delattr(ours, name)
-        for name in ("weight", "bias", "running_mean", "running_var"):
-            ours.register_buffer(name, getattr(layer, name))
-        ours.register_buffer("num_batches_tracked", None)
-    else:
-        ours.weight, ours.bias = layer.weight, layer.bias
-        ours.running_mean, ours.running_var = layer.running_mean, layer.running_var
-        ours.num_batches_tracked = layer.num_batches_tracked
-        ours.process_group = process_group if process_group is not None else getattr(layer, "process_group", None)
-    ours.set_drop_act(layer.drop, layer.act)
-    if frozen:
-        ours.freeze()
-    ours.train(layer.training)
-    return ours
-
-
-def to_timm(layer: SyncBatchNormAct2d) -> nn.Module:
-    """timm's layer back from ours (its ``timm_class``), holding our tensors, ``drop`` and ``act``."""
-    import timm.layers.norm_act as norm_act
-
-    cls = layer.timm_class or norm_act.BatchNormAct2d
-    frozen_class = qualified_name(cls) == FROZEN_BATCH_NORM_ACT
-    if layer.frozen != frozen_class:
-        what = "is frozen" if layer.frozen else "is not frozen"
-        raise ValueError(f"{layer._label()} {what}, which timm's {cls.__name__} cannot express; "
-                         f"{'unfreeze' if layer.frozen else 'freeze'} it first")
-    if frozen_class:
-        timm_layer = cls(layer.num_features, eps=layer.eps, apply_act=False, device="meta")
-        for name in ("weight", "bias", "running_mean", "running_var"):
-            timm_layer.register_buffer(name, getattr(layer, name))
-    else:
-        timm_layer = cls(layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats,
-                         device="meta", **({"apply_act": False} if cls is norm_act.BatchNormAct2d else {}))
-        if cls is norm_act.SyncBatchNormAct:
-            timm_layer.process_group = layer.process_group
-        timm_layer.weight, timm_layer.bias = layer.weight, layer.bias
-        timm_layer.running_mean, timm_layer.running_var = layer.running_mean, layer.running_var
-        timm_layer.num_batches_tracked = layer.num_batches_tracked
-    timm_layer.drop, timm_layer.act = layer.drop, layer.act
-    timm_layer.train(layer.training)
-    return timm_layer

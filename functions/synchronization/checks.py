@@ -157,7 +157,7 @@ def defer_read(host: Tensor, ready: Ready | None, explain: Explain, valid: Tenso
     """Keep a verdict already on its way to host memory (``host``, and ``valid``, the device's
     judgement of it, where given), to read once ``ready`` has passed (None: readable now). The
     native path (src/sync_batch_norm.cpp) makes the copies and the event itself and calls this."""
-    in_backward = torch_internals.current_graph_task_id() != -1
+    in_backward = torch_internals.in_backward_pass()
     with _lock:
         _pending.append(_Deferred(host, ready, explain, in_backward, valid))
         overflow = _pending.popleft() if len(_pending) > MAX_PENDING else None

@@ -26,7 +26,7 @@ _replaying = threading.local()  # .caller: a replica thread's caller was in a ba
 def in_recomputation() -> bool:
     """Whether a forward on this thread runs again inside a backward pass (torch.utils.checkpoint
     recomputing it): on the backward's own thread, or on a replica thread whose caller is one."""
-    return torch_internals.current_graph_task_id() != -1 or getattr(_replaying, "caller", False)
+    return torch_internals.in_backward_pass() or getattr(_replaying, "caller", False)
 
 
 class ThreadState:
