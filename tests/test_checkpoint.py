@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from syncbn import nn as NN
 from syncbn.parallel import ThreadedDataParallel
 from testkit.local_group import run_local_group
+from testkit.lockstep import assert_agree, train_side_by_side
 
 F64 = torch.float64
 TOL = dict(atol=1e-12, rtol=1e-12)
@@ -46,20 +47,15 @@ LAYERS = {
 }
 
 
-def train(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor):
-    """Forward and backward: the output and the input's gradient."""
-    xi = x.clone().requires_grad_()
-    y = forward(xi)
-    y.pow(2).sum().backward()
-    return y.detach(), xi.grad
+class CheckpointAround(nn.Module):
+    """``model`` under torch.utils.checkpoint, its whole forward recomputed in backward."""
 
+    def __init__(self, model: nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.model, self.reentrant = model, reentrant
 
-def assert_equal_models(ours: nn.Module, theirs: nn.Module) -> None:
-    """Every gradient and every buffer (num_batches_tracked too), by position."""
-    for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
-    for (name, a), b in zip(ours.named_buffers(), theirs.buffers(), strict=True):
-        torch.testing.assert_close(a, b, **TOL, msg=name)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.model, x, use_reentrant=self.reentrant)
 
 
 PATHS = {  # how the checkpointed model runs: (Net's checkpoint arguments, replicas, a checkpoint around
@@ -75,20 +71,17 @@ PATHS = {  # how the checkpointed model runs: (Net's checkpoint arguments, repli
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("layer", LAYERS)
 def test_a_recomputed_forward_updates_nothing_twice(layer, path) -> None:
-    """Against the same model without checkpointing, on the whole batch on one device."""
+    """Against the same model without checkpointing, on the whole batch on one device
+    (testkit.lockstep: outputs, input and parameter gradients, every buffer, SGD steps)."""
     net_args, replicas, around = PATHS[path]
     torch.manual_seed(0)
     plain = Net(LAYERS[layer]).to(F64)
     ours = Net(LAYERS[layer], **net_args).to(F64)
     ours.load_state_dict(plain.state_dict())
-    wrapped = ThreadedDataParallel(ours, ["cpu"] * replicas) if replicas else ours
-    forward = wrapped if around is None else (lambda x: checkpoint(wrapped, x, use_reentrant=around))
-    for _ in range(3):
-        x = torch.randn(7, 3, 5, 5, dtype=F64)  # 3 replicas: 3, 3 and 1 samples
-        for got, want in zip(train(ours, forward, x), train(plain, plain, x), strict=True):
-            torch.testing.assert_close(got, want, **TOL)
-        assert_equal_models(ours, plain)
-        ours.zero_grad(), plain.zero_grad()
+    runner = ThreadedDataParallel(ours, ["cpu"] * replicas) if replicas else ours
+    runner = runner if around is None else CheckpointAround(runner, around)
+    inputs = lambda step: [torch.randn(7, 3, 5, 5, dtype=F64)]  # 3 replicas: 3, 3 and 1 samples  # noqa: E731
+    assert_agree(train_side_by_side(plain, ours, inputs, 3, runner=runner), **TOL)
 
 
 def test_reentrant_checkpoint_inside_thread_replicas_says_what_to_do() -> None:
@@ -103,20 +96,10 @@ def ranks_checkpointed(rank: int, world: int) -> None:
     theirs = NN.revert_sync_batchnorm(Net(lambda: nn.BatchNorm2d(4))).to(F64)  # torch's layers only
     ours = Net(lambda: NN.BatchNorm2d(4), inner=True).to(F64)
     ours.load_state_dict(theirs.state_dict())
-    ddp = DistributedDataParallel(ours)
-    rows = [slice(0, 3), slice(3, 7)][rank]
-    for _ in range(3):
-        x = torch.randn(7, 3, 5, 5, dtype=F64)
-        mine, whole = x[rows].clone().requires_grad_(), x.clone().requires_grad_()
-        y, y_whole = ddp(mine), theirs(whole)
-        y.pow(2).sum().backward(), y_whole.pow(2).sum().backward()
-        torch.testing.assert_close(y, y_whole[rows], **TOL)
-        torch.testing.assert_close(mine.grad, whole.grad[rows], **TOL)
-        for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
-            torch.testing.assert_close(p.grad * world, q.grad, **TOL, msg=name)  # DDP averages
-        for (name, a), b in zip(ours.named_buffers(), theirs.buffers(), strict=True):
-            torch.testing.assert_close(a, b, **TOL, msg=name)
-        ours.zero_grad(), theirs.zero_grad()
+    inputs = lambda step: [torch.randn(7, 3, 5, 5, dtype=F64)]  # noqa: E731
+    steps = train_side_by_side(theirs, ours, inputs, 3, runner=DistributedDataParallel(ours),
+                               rows=[slice(0, 3), slice(3, 7)][rank], averaged_over=world)
+    assert_agree(steps, **TOL)
 
 
 def test_ranks_recomputing_a_forward_update_nothing_twice() -> None:

@@ -18,6 +18,7 @@ norm_act = pytest.importorskip("timm.layers.norm_act")
 from syncbn import nn as NN  # noqa: E402
 from syncbn.parallel import ThreadedDataParallel  # noqa: E402
 from testkit.local_group import run_local_group  # noqa: E402
+from testkit.lockstep import assert_agree, train_side_by_side  # noqa: E402
 
 F64 = torch.float64
 TOL = dict(atol=1e-10, rtol=1e-10)
@@ -122,27 +123,6 @@ def timm_model(name: str) -> nn.Module:
     return timm.create_model(name, num_classes=5, drop_rate=0.0, drop_path_rate=0.0).to(F64)
 
 
-def compare_steps(ours: nn.Module, ours_params: nn.Module, theirs: nn.Module, batches: list[torch.Tensor]) -> None:
-    """Forward, backward and an SGD step of each, on each batch: outputs, input gradients,
-    parameter gradients, then every buffer."""
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ours_params, theirs)]
-    for x in batches:
-        results = []
-        for model in (ours, theirs):
-            xi = x.clone().requires_grad_()
-            y = model(xi)
-            y.backward(torch.linspace(-1, 1, y.numel(), dtype=F64).reshape(y.shape))
-            results.append((y.detach(), xi.grad))
-        for got, want in zip(*results):
-            torch.testing.assert_close(got, want, **MODEL_TOL)
-        for (name, p), q in zip(ours_params.named_parameters(), theirs.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, **MODEL_TOL, msg=name)
-        for optimizer in optimizers:
-            optimizer.step(), optimizer.zero_grad()
-    for (name, got), want in zip(ours_params.state_dict().items(), theirs.state_dict().values(), strict=True):
-        torch.testing.assert_close(got, want, **MODEL_TOL, msg=name)
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_a_converted_timm_model_under_thread_replicas_equals_timms_on_the_whole_batch(name) -> None:
     theirs = timm_model(name)
@@ -151,34 +131,23 @@ def test_a_converted_timm_model_under_thread_replicas_equals_timms_on_the_whole_
                    for m in converted.modules())
     torch.manual_seed(1)
     batches = [torch.randn(5, 3, 32, 32, dtype=F64) for _ in range(2)]  # 3 + 2 rows a replica
-    compare_steps(ThreadedDataParallel(converted, ["cpu"] * 2), converted, theirs, batches)
+    steps = train_side_by_side(theirs, converted, lambda step: [batches[step]], len(batches),
+                               runner=ThreadedDataParallel(converted, ["cpu"] * 2), lr=0.05)
+    assert_agree(steps, **MODEL_TOL)
     back = NN.revert_sync_batchnorm(converted)
     assert [type(m) for m in back.modules()] == [type(m) for m in theirs.modules()]
 
 
 def ddp_rank(rank: int, world_size: int, name: str) -> None:
-    """One rank's rows of each batch through DDP (uneven: 3 and 2 rows) against timm's model on
-    the whole batch: this rank's outputs and input gradients, parameter gradients (DDP averages
-    over the ranks, so ours times world_size), after the SGD steps every parameter and buffer."""
+    """This rank's rows of each batch (uneven: 3 and 2) through DDP, against timm's model on the
+    whole batch (testkit.lockstep: outputs, input and parameter gradients, buffers, SGD steps)."""
     theirs = timm_model(name)
-    ours = DistributedDataParallel(NN.convert_sync_batchnorm(copy.deepcopy(theirs), strict=True))
-    # DDP's gradients are the mean over the ranks: ours steps world_size times as far
-    optimizers = [torch.optim.SGD(ours.parameters(), lr=0.05 * world_size), torch.optim.SGD(theirs.parameters(), lr=0.05)]
-    rows = [slice(0, 3), slice(3, 5)][rank]
+    ours = NN.convert_sync_batchnorm(copy.deepcopy(theirs), strict=True)
     torch.manual_seed(1)
-    for x in [torch.randn(5, 3, 32, 32, dtype=F64) for _ in range(2)]:
-        dy = torch.linspace(-1, 1, 25, dtype=F64).reshape(5, 5)
-        mine, whole = x[rows].clone().requires_grad_(), x.clone().requires_grad_()
-        y, y_whole = ours(mine), theirs(whole)
-        y.backward(dy[rows]), y_whole.backward(dy)
-        torch.testing.assert_close(y, y_whole[rows], **MODEL_TOL)
-        torch.testing.assert_close(mine.grad, whole.grad[rows], **MODEL_TOL)
-        for (key, p), q in zip(ours.module.named_parameters(), theirs.parameters(), strict=True):
-            torch.testing.assert_close(p.grad * world_size, q.grad, **MODEL_TOL, msg=key)
-        for optimizer in optimizers:
-            optimizer.step(), optimizer.zero_grad()
-    for (key, got), want in zip(ours.module.state_dict().items(), theirs.state_dict().values(), strict=True):
-        torch.testing.assert_close(got, want, **MODEL_TOL, msg=key)
+    batches = [torch.randn(5, 3, 32, 32, dtype=F64) for _ in range(2)]
+    steps = train_side_by_side(theirs, ours, lambda step: [batches[step]], len(batches), runner=DistributedDataParallel(ours),
+                               rows=[slice(0, 3), slice(3, 5)][rank], lr=0.05, averaged_over=world_size)
+    assert_agree(steps, **MODEL_TOL)
 
 
 @pytest.mark.parametrize("name", ["efficientnet_b0"])
