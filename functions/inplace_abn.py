@@ -101,7 +101,8 @@ class InPlaceABNFunction(Function):
             OVERLOADS.abn_forward_(x, mean, invstd, weight, bias, *act)
         else:
             part = _ForwardPart(x, weight, bias, sync.stream_for(x.device))
-            invstd = sync.on_master("forward", part, lambda parts: _forward_every_replica(parts, sync, running, act))
+            sync.normalization = sync.on_master("forward", part, lambda parts: _forward_every_replica(parts, sync, running, act))
+            invstd = sync.normalization[1]
         ctx.mark_dirty(x)
         ctx.save_for_backward(x, invstd, weight, bias)
         ctx.act, ctx.batch_stats, ctx.sync, ctx.layer = act, batch_stats, sync, layer
@@ -205,15 +206,14 @@ def _forward_every_replica(
     sync: Synchronizer,
     running: Running,
     act: tuple[float, str, float],
-) -> list[Tensor]:
+) -> list[tuple[Tensor, Tensor]]:
     """On the master: the statistics over every replica and rank, then every part's input
-    written over on its stream. Returns each part's invstd."""
-    invstds = []
-    for part, (mean, invstd) in zip(parts, normalization_every_replica(parts, sync, act[0], running)):
+    written over on its stream. Returns each part's (mean, invstd)."""
+    normalizations = normalization_every_replica(parts, sync, act[0], running)
+    for part, (mean, invstd) in zip(parts, normalizations):
         with devices.on_stream(part.stream):
             OVERLOADS.abn_forward_(part.x, mean, invstd, part.weight, part.bias, *act)
-        invstds.append(invstd)
-    return invstds
+    return normalizations
 
 
 def _backward_every_replica(

@@ -83,7 +83,11 @@ class SyncBatchNormFunction(Function):
             )
         part = _ForwardPart(x, weight, bias, residual, sync.stream_for(x.device))
         running = (running_mean, running_var, num_batches_tracked, momentum)
-        return sync.on_master("forward", part, lambda parts: _forward_every_replica(parts, sync, eps, negative_slope, running))
+        y, mean, invstd = sync.on_master(
+            "forward", part, lambda parts: _forward_every_replica(parts, sync, eps, negative_slope, running)
+        )
+        sync.normalization = mean, invstd
+        return y, mean, invstd
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor, Tensor]) -> None:
@@ -377,7 +381,8 @@ def native_sync_batch_norm(
     and merges the ranks' rows with the running statistics' update); each replica normalizes
     its own input. The backward is a C++ autograd node that meets again (the ranks' all_reduce
     through :meth:`~functions.synchronization.synchronizer.Synchronizer.reduce_row`). Same arguments, results,
-    errors and timeouts as :func:`sync_batch_norm`; raises :class:`~functions.ReplicaSyncError`
+    errors and timeouts as :func:`sync_batch_norm` (this replica's mean and invstd left in
+    ``sync.normalization``, as the Function leaves them); raises :class:`~functions.ReplicaSyncError`
     where the replicas' round broke."""
     call = sync.replica_call
     ranks = None
@@ -385,7 +390,7 @@ def native_sync_batch_norm(
         sync.native = distributed.native_ranks(sync.process_call, input.dtype, input.device)
         ranks = sync
     try:
-        return backend.NATIVE_ROUNDS.sync_batch_norm(  # type: ignore[union-attr]
+        y, mean, invstd = backend.NATIVE_ROUNDS.sync_batch_norm(  # type: ignore[union-attr]
             None if call is None else call.round.native(), 0 if call is None else call.index,
             0 if call is None else call.number, input, weight, bias, running_mean, running_var,
             num_batches_tracked, momentum, eps, residual, negative_slope, layer, ranks,
@@ -395,3 +400,5 @@ def native_sync_batch_norm(
         if error.__cause__ is None and cause is not None and not isinstance(cause, ReplicaSyncError):
             error.__cause__ = cause
         raise
+    sync.normalization = mean, invstd
+    return y

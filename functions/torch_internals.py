@@ -93,6 +93,32 @@ def is_checkpoint_stop(error: BaseException) -> bool:
     return type(error).__name__ == "_StopRecomputationError"
 
 
+_CHECKPOINT_PACK = "_checkpoint_hook.__init__.<locals>.pack_hook"
+_RECOMPUTATION_PACK = "_recomputation_hook.__init__.<locals>.pack_hook"
+
+
+def checkpoint_position() -> tuple[object, int, bool] | None:
+    """Where this thread stands in a ``torch.utils.checkpoint(use_reentrant=False)`` region, read
+    from the innermost saved-tensor hooks: ``(frame, index, recomputing)``, the region's
+    ``_CheckpointFrame``, the index of the next tensor saved in it (the first run appends a holder
+    per saved tensor, the recomputation counts them again in the same order) and whether this is
+    the recomputation; None outside such a region, or where other hooks are innermost."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if hooks is None:
+        return None
+    pack = getattr(hooks[0], "__wrapped__", hooks[0])  # the recomputation's is wrapped by a dynamo disable
+    if getattr(pack, "__module__", None) != "torch.utils.checkpoint":
+        return None
+    cells = dict(zip(pack.__code__.co_freevars, (c.cell_contents for c in pack.__closure__ or ())))
+    if pack.__qualname__ == _CHECKPOINT_PACK:
+        frame = cells["frame"]
+        return frame, len(frame.weak_holders), False
+    if pack.__qualname__ == _RECOMPUTATION_PACK:
+        frame = cells["target_frame_ref"]()
+        return None if frame is None else (frame, frame.recomp_counter[cells["gid"]], True)
+    return None
+
+
 def apply_without_binding(function: type[Function], *args: Any) -> Any:
     """``function.apply(*args)`` with every argument given, without what ``Function.apply`` does
     for Functions with ``setup_context`` on every call (an ``inspect.signature`` binding of the

@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..functions import frozen_batch_norm, sync_batch_norm
+from ..functions import checkpointing, frozen_batch_norm, sync_batch_norm
 from ..functions.sync_batchnorm import native_serves, native_sync_batch_norm
 from ..functions.synchronization.traced_ranks import traced_sync_batch_norm
 from ..functions.operators.lone_replica import takes_our_kernels
@@ -24,7 +24,7 @@ from ..functions.synchronization.replicas import (
     REPLICA_ATTR, ReplicaHandle, RoundTracker, resolve_timeout, warn_if_data_parallel_meets_no_one,
 )
 
-from .compiler import disable_when_compiling
+from .compiler import disable_when_compiling, record_fx_call
 
 __all__ = ["SyncBatchNorm", "SyncBatchNorm1d", "SyncBatchNorm2d", "SyncBatchNorm3d",
            "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "consecutive_rank_groups"]
@@ -140,10 +140,8 @@ class SyncBatchNorm(_BatchNorm):
     def extra_repr(self) -> str:
         extra = [f"timeout={self.timeout}"] if self.timeout is not None else []
         extra += ["frozen=True"] if self.frozen else []
-        if self.activation is not None:
-            extra.append(f"activation={self.activation!r}")
-        if self.activation == "leaky_relu":
-            extra.append(f"negative_slope={self.negative_slope}")
+        extra += [f"activation={self.activation!r}"] if self.activation is not None else []
+        extra += [f"negative_slope={self.negative_slope}"] if self.activation == "leaky_relu" else []
         return ", ".join([super().extra_repr(), *extra])
 
     def freeze(self) -> "SyncBatchNorm":
@@ -161,14 +159,10 @@ class SyncBatchNorm(_BatchNorm):
 
     def _negative_slope(self) -> float | None:
         """The fused activation as the kernels take it: None (none), 0.0 (ReLU) or the slope."""
-        activation = self.activation
-        if activation is None:
-            return None
-        if activation == "relu":
-            return 0.0
-        if activation == "leaky_relu":
-            return self.negative_slope
-        raise ValueError(f"{self._label()}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        slopes = {None: None, "relu": 0.0, "leaky_relu": self.negative_slope}
+        if self.activation not in slopes:
+            raise ValueError(f"{self._label()}: activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        return slopes[self.activation]
 
     def _fuses(self, z: Tensor | None) -> bool:
         """Whether this call has a residual or an activation to fuse."""
@@ -237,15 +231,8 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, input: Tensor, z: Tensor | None = None) -> Tensor:
         if isinstance(input, torch.fx.Proxy):
-            return self._record_fx_call(input, z)
+            return record_fx_call(self, input, z)
         return self._forward(input, z)
-
-    def _record_fx_call(self, input: torch.fx.Proxy, z: Any) -> torch.fx.Proxy:
-        """Under torch.fx symbolic tracing: one ``call_module`` node, as for torch's batch norm
-        (a leaf: rank checks and routing read values that a Proxy does not have)."""
-        tracer = input.tracer
-        args = (input,) if z is None else (input, z)
-        return tracer.create_proxy("call_module", tracer.path_of_module(self), args, {})
 
     def _forward(self, input: Tensor, z: Tensor | None) -> Tensor:
         """The one place where a call picks its path."""
@@ -275,9 +262,8 @@ class SyncBatchNorm(_BatchNorm):
 
     def _running_state(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """(running_mean, running_var, num_batches_tracked) that a call with batch statistics
-        updates: none outside training; copies in a backward pass, where a forward is
-        torch.utils.checkpoint's recomputation of one that updated them already (the same
-        tensors saved, the buffers untouched; compiled graphs have no such pass)."""
+        updates: none outside training; copies in a backward pass, where a forward is a checkpoint's
+        recomputation that meets again (the buffers untouched; compiled graphs have no such pass)."""
         if not (self.training and self.track_running_stats):
             return None, None, None
         state = (self.running_mean, self.running_var, self.num_batches_tracked)
@@ -316,7 +302,14 @@ class SyncBatchNorm(_BatchNorm):
     @disable_when_compiling
     def _forward_synced(self, input: Tensor, z: Tensor | None, handle: ReplicaHandle | None, group: Any) -> Tensor:
         """Replicas (``handle``) and/or ranks (``group``) exchange statistics, eagerly:
-        torch.compile breaks the graph here (:func:`~modules.compiler.disable_when_compiling`)."""
+        torch.compile breaks the graph here (:func:`~modules.compiler.disable_when_compiling`).
+        A checkpoint's recomputation takes the first run's statistics instead, where it kept them
+        (:mod:`functions.checkpointing`)."""
+        where = checkpointing.place()
+        kept = checkpointing.recall(where)
+        if kept is not None:
+            self._check_input(input, z)
+            return self._recomputed(input, z, kept)
         # the device that a failure report to the ranks is made on (none made without ranks)
         weight = self.weight if group is not None else None
         device = weight.device if weight is not None else input.device
@@ -325,10 +318,12 @@ class SyncBatchNorm(_BatchNorm):
         try:
             self._check_input(input, z)
             check_not_captured(input, label)
-            return self._synced(input, z, sync)
+            y = self._synced(input, z, sync)
         except BaseException as error:
             sync.fail(error)
             raise
+        checkpointing.remember(where, sync.normalization)
+        return y
 
     def _forward_traced(self, input: Tensor, z: Tensor | None, group: Any) -> Tensor:
         """Ranks alone (no replicas in the process) under torch.compile: the exchange as
@@ -341,6 +336,11 @@ class SyncBatchNorm(_BatchNorm):
         serves, else through the autograd Function."""
         function = native_sync_batch_norm if native_serves() else sync_batch_norm
         return self._batch_stats(function, input, z, sync.layer, sync=sync)
+
+    def _recomputed(self, input: Tensor, z: Tensor | None, statistics: tuple[Tensor, Tensor]) -> Tensor:
+        """A checkpoint's recomputation of a synchronized call, with the first run's (mean, invstd)."""
+        args = (input, self.weight, self.bias, z, *statistics, self._negative_slope(), self._label())
+        return checkpointing.RecomputedBatchNorm.apply(*args)
 
     def _batch_stats(self, function: Any, input: Tensor, z: Tensor | None, label: str | None = None, **meeting: Any) -> Tensor:
         """``function`` (:func:`~functions.sync_batch_norm` or

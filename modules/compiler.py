@@ -1,4 +1,5 @@
-"""``torch.compiler.disable`` for the layers' eager-only paths, without importing the compiler.
+"""The layers in torch's tool chain: ``torch.compiler.disable`` for their eager-only paths, without
+importing the compiler, and their node under torch.fx tracing.
 
 Some paths must run eagerly under torch.compile (Dynamo cannot trace the replicas' threads and
 rounds). ``@torch.compiler.disable`` on them would import ``torch._dynamo`` (and much of the
@@ -34,3 +35,11 @@ def disable_when_compiling(fn: _F) -> _F:
         return fn(*args, **kwargs)
 
     return call  # type: ignore[return-value]
+
+
+def record_fx_call(module: torch.nn.Module, input: torch.fx.Proxy, z: Any) -> torch.fx.Proxy:
+    """A layer's call under torch.fx symbolic tracing: one ``call_module`` node, as for torch's
+    batch norm (a leaf: rank checks and routing read values that a Proxy does not have)."""
+    tracer = input.tracer
+    args = (input,) if z is None else (input, z)
+    return tracer.create_proxy("call_module", tracer.path_of_module(module), args, {})

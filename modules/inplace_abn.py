@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from ..functions import checkpointing
 from ..functions.inplace_abn import inplace_abn
 from ..functions.operators.reference import memory_format_of
 from ..functions.operators.reference_abn import ABN_ACTIVATIONS
@@ -20,6 +21,7 @@ from ..functions.synchronization.traced_ranks import traced_inplace_abn
 from ..functions.synchronization.synchronizer import Synchronizer
 
 from .batchnorm import SyncBatchNorm
+from .compiler import record_fx_call
 
 __all__ = ["ABN", "InPlaceABN", "InPlaceABNSync"]
 
@@ -138,7 +140,7 @@ class InPlaceABN(ABN):
 
     def forward(self, input: Tensor, z: Tensor | None = None) -> Tensor:
         if isinstance(input, torch.fx.Proxy):
-            return self._record_fx_call(input, z)
+            return record_fx_call(self, input, z)
         if z is not None:
             raise TypeError(f"{self._label()}: an in-place activated batch norm takes no residual z")
         self._check_input(input)
@@ -176,6 +178,12 @@ class InPlaceABN(ABN):
 
     def _synced(self, input: Tensor, z: Tensor | None, sync: Synchronizer) -> Tensor:
         return self._inplace(input, sync, batch_stats=True)
+
+    def _recomputed(self, input: Tensor, z: Tensor | None, statistics: tuple[Tensor, Tensor]) -> Tensor:
+        mean, invstd = statistics
+        return checkpointing.RecomputedInPlaceABN.apply(
+            input, self.weight, self.bias, mean, invstd, self.eps, self.activation, self.activation_param, self._label()
+        )
 
     def _inplace(self, input: Tensor, sync: Synchronizer | None, batch_stats: bool) -> Tensor:
         # batch statistics update the running ones (_running_state); fixed ones are read

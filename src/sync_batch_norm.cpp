@@ -692,10 +692,12 @@ auto make_node() {
 }  // namespace
 
 // One replica's call of a synchronized layer (see the file's comment): y, with the autograd
-// history whose backward meets the other replicas (and ranks) again. `round`: none where this is
+// history whose backward meets the other replicas (and ranks) again, and the replica's mean and
+// invstd (which a checkpoint's recomputation reuses). `round`: none where this is
 // the only replica of its process; `sync`: the process master's Synchronizer where a process
 // group takes part, else null.
-at::Tensor sync_batch_norm(const std::shared_ptr<ReplicaRound>& round, int64_t index, int64_t call,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sync_batch_norm(
+    const std::shared_ptr<ReplicaRound>& round, int64_t index, int64_t call,
                            const at::Tensor& input, const OptTensor& weight, const OptTensor& bias,
                            const OptTensor& running_mean, const OptTensor& running_var,
                            const OptTensor& num_batches_tracked, std::optional<double> momentum, double eps,
@@ -743,7 +745,7 @@ at::Tensor sync_batch_norm(const std::shared_ptr<ReplicaRound>& round, int64_t i
       node->invstd = torch::autograd::SavedVariable(normalization.invstd, false);
       torch::autograd::set_history(y, node);
     }
-    return y;
+    return std::make_tuple(y, normalization.mean, normalization.invstd);
   });
 }
 
@@ -796,12 +798,12 @@ void bind_sync_batch_norm(pybind11::module_& m) {
          std::optional<double> negative_slope, const std::string& layer, const py::object& sync) {
         std::optional<std::string> broken;
         std::optional<python_error> raised;  // a Python exception, as it is (checkpoint's control flow too)
-        at::Tensor y;
+        std::tuple<at::Tensor, at::Tensor, at::Tensor> result;
         const auto ranks = std::make_shared<Ranks>(sync.is_none() ? nullptr : sync.ptr());  // with the GIL
         {
           py::gil_scoped_release no_gil;  // the wait, and the master's work, without the GIL
           try {
-            y = sync_batch_norm(round, index, call, input, weight, bias, running_mean, running_var,
+            result = sync_batch_norm(round, index, call, input, weight, bias, running_mean, running_var,
                                 num_batches_tracked, momentum, eps, residual, negative_slope, layer, ranks);
           } catch (const RoundBroken& error) {
             broken = error.what();
@@ -814,12 +816,12 @@ void bind_sync_batch_norm(pybind11::module_& m) {
           throw py::error_already_set();
         }
         if (broken) throw_replica_sync_error(*broken);
-        return y;
+        return result;
       },
       py::arg("round").none(true), py::arg("index"), py::arg("call"), py::arg("input"), py::arg("weight"),
       py::arg("bias"), py::arg("running_mean"), py::arg("running_var"), py::arg("num_batches_tracked"),
       py::arg("momentum"), py::arg("eps"), py::arg("residual"), py::arg("negative_slope"), py::arg("layer"),
-      py::arg("sync"), "One replica's call of a synchronized layer: y (see src/sync_batch_norm.cpp)");
+      py::arg("sync"), "One replica's call of a synchronized layer: (y, mean, invstd) (see src/sync_batch_norm.cpp)");
 }
 
 }  // namespace syncbn

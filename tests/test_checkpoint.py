@@ -3,7 +3,9 @@ running statistics and num_batches_tracked as one forward does, with the outputs
 of the same model without checkpointing on the whole batch, on one device (reentrant too), under
 ThreadedDataParallel (checkpoint around the wrapper and inside the replicas) and across ranks
 (against nn.BatchNorm2d); float64, three steps, uneven replica batches; batch norm, the
-cumulative average, a fused activation, in-place ABN and a frozen layer."""
+cumulative average, a fused activation, in-place ABN and a frozen layer. A synchronized layer
+recomputed by non-reentrant checkpoint reuses its first run's statistics: a checkpointed step
+meets the replicas and makes the collectives that a plain step does, no more."""
 from __future__ import annotations
 
 import copy
@@ -15,8 +17,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
+import syncbn.modules.batchnorm
+from helpers import count_exchanges
 from syncbn import nn as NN
+from syncbn.functions.checkpointing import RecomputedBatchNorm
 from syncbn.parallel import ThreadedDataParallel
+from testkit.collectives import count_collectives
 from testkit.local_group import run_local_group
 from testkit.lockstep import assert_agree, train_side_by_side
 
@@ -104,3 +110,89 @@ def ranks_checkpointed(rank: int, world: int) -> None:
 
 def test_ranks_recomputing_a_forward_update_nothing_twice() -> None:
     run_local_group(ranks_checkpointed, 2, timeout_s=60)
+
+
+SYNCED_LAYERS = [name for name in LAYERS if name != "frozen"]  # a frozen layer never meets
+
+
+def one_step(model: nn.Module, rows: int, seed: int = 1) -> None:
+    torch.manual_seed(seed)
+    model(torch.randn(rows, 3, 5, 5, dtype=F64)).sum().backward()
+
+
+@pytest.mark.parametrize("route", ["native", "function"])
+@pytest.mark.parametrize("layer", SYNCED_LAYERS)
+def test_a_recomputed_layer_meets_the_replicas_as_often_as_a_plain_step(layer, route, monkeypatch) -> None:
+    """Every replica exchange of a step, with the block checkpointed inside the replicas and without:
+    the same (direction, call) list; the recomputation meets no one."""
+    if route == "function":  # the autograd Function in Python rather than the native call
+        monkeypatch.setattr(syncbn.modules.batchnorm, "native_serves", lambda: False)
+    exchanges = count_exchanges(monkeypatch)
+    seen = {}
+    for inner in (False, True):
+        torch.manual_seed(0)
+        one_step(ThreadedDataParallel(Net(LAYERS[layer], inner=inner).to(F64), ["cpu"] * 3), rows=7)
+        seen[inner], exchanges[:] = sorted(exchanges), []
+    assert seen[False], "the plain step met no one: the test tests nothing"
+    assert seen[True] == seen[False]
+
+
+def test_a_layer_called_several_times_in_checkpointed_regions_takes_each_call_its_own_statistics() -> None:
+    """One layer twice in a region, and the region twice: each recomputed call finds the statistics of
+    its own first run (3 thread replicas, against the same model without checkpointing)."""
+
+    class Shared(nn.Module):
+        def __init__(self, checkpointed: bool) -> None:
+            super().__init__()
+            self.checkpointed = checkpointed
+            self.stem, self.conv = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+            self.norm = NN.BatchNorm2d(4, activation="relu")
+
+        def block(self, h: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.conv(self.norm(h)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.stem(x)
+            for _ in range(2):
+                h = checkpoint(self.block, h, use_reentrant=False) if self.checkpointed else self.block(h)
+            return h
+
+    torch.manual_seed(0)
+    plain, ours = Shared(False).to(F64), Shared(True).to(F64)
+    ours.load_state_dict(plain.state_dict())
+    runner = ThreadedDataParallel(ours, ["cpu"] * 3)
+    inputs = lambda step: [torch.randn(7, 3, 5, 5, dtype=F64)]  # noqa: E731
+    assert_agree(train_side_by_side(plain, ours, inputs, 3, runner=runner), **TOL)
+    assert ours.norm.num_batches_tracked.item() == 3 * 4
+
+
+def test_the_recomputed_graph_is_not_differentiated() -> None:
+    """Checkpoint differentiates the first run's nodes; a backward through the recomputation's own
+    node would lack the other replicas' sums, so it says so rather than compute local gradients."""
+    x = torch.randn(4, 3, 2, 2, dtype=F64, requires_grad=True)
+    mean, invstd = torch.zeros(3, dtype=F64), torch.ones(3, dtype=F64)
+    y = RecomputedBatchNorm.apply(x, None, None, None, mean, invstd, None, "SyncBatchNorm2d(3) 'norm'")
+    with pytest.raises(RuntimeError, match=r"SyncBatchNorm2d\(3\) 'norm': the graph of a checkpoint's recomputation"):
+        y.sum().backward()
+
+
+def collectives_per_step(rank: int, world: int) -> dict:
+    """Each layer kind under DDP, a step with its block checkpointed and one without: the
+    collectives our layers make, as (name, elements) lists."""
+    counts = {}
+    for layer in SYNCED_LAYERS:
+        for inner in (False, True):
+            torch.manual_seed(0)
+            model = DistributedDataParallel(Net(LAYERS[layer], inner=inner).to(F64))
+            with count_collectives() as seen:
+                one_step(model, rows=3 + rank)
+            counts[layer, inner] = {name: sorted(sizes) for name, sizes in seen.items()}
+    return counts
+
+
+def test_a_checkpointed_step_makes_no_more_collectives_than_a_plain_one() -> None:
+    for counts in run_local_group(collectives_per_step, 2, timeout_s=60):
+        for layer in SYNCED_LAYERS:
+            plain, checkpointed = counts[layer, False], counts[layer, True]
+            assert sum(map(len, plain.values())) == 4, plain  # two layers, forward and backward each
+            assert checkpointed == plain, (layer, checkpointed, plain)

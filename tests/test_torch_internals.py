@@ -126,6 +126,31 @@ def test_checkpoint_stops_its_recomputation_with_the_error_we_recognise() -> Non
     assert not torch_internals.is_checkpoint_stop(RuntimeError("other"))
 
 
+def test_a_checkpoint_region_says_where_each_saved_tensor_goes() -> None:
+    # the first run and the recomputation (twice: retain_graph) name the same frame and the same
+    # index before each call that saves; other saved-tensor hooks, or none, give None
+    positions: list = []
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            positions.append(torch_internals.checkpoint_position())
+            x = x.sin()  # saves one tensor
+        return x
+
+    assert torch_internals.checkpoint_position() is None
+    x = torch.randn(4, requires_grad=True)
+    y = checkpoint(region, x, use_reentrant=False)
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()
+    frame = positions[0][0]
+    assert [(p[0] is frame, p[1], p[2]) for p in positions] == [(True, i, r) for r in (False, True, True) for i in range(3)]
+    with torch.autograd.graph.save_on_cpu():
+        assert torch_internals.checkpoint_position() is None
+    positions.clear()
+    checkpoint(region, x, use_reentrant=True).sum().backward()  # reentrant: no saved-tensor hooks
+    assert positions == [None] * 6
+
+
 def test_apply_without_binding_gives_what_apply_gives() -> None:
     class Scale(torch.autograd.Function):
         @staticmethod

@@ -79,6 +79,8 @@ class Synchronizer:
         self.count: int | Tensor | None = None
         self._joined_collective = False
         self.native: tuple | None = None  # the native path's process master: distributed.native_ranks
+        self.normalization: tuple[Tensor, Tensor] | None = None
+        """This replica's (mean, invstd) once the forward has made them (a checkpoint's recomputation reuses them)."""
 
     @classmethod
     def for_call(
