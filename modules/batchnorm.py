@@ -19,9 +19,8 @@ from ..functions.synchronization.distributed import ProcessGroupSync, active_pro
 from ..functions.operators.reference import values_per_channel
 from ..functions.stats import check_values_per_channel
 from ..functions.synchronization.synchronizer import Synchronizer, check_not_captured
-from ..functions.synchronization.replica_threads import in_recomputation
 from ..functions.synchronization.replicas import (
-    REPLICA_ATTR, ReplicaHandle, RoundTracker, resolve_timeout, warn_if_data_parallel_meets_no_one,
+    REPLICA_ATTR, ReplicaHandle, RoundTracker, in_recomputation, resolve_timeout, warn_if_data_parallel_meets_no_one,
 )
 
 from .compiler import disable_when_compiling, record_fx_call
@@ -267,7 +266,7 @@ class SyncBatchNorm(_BatchNorm):
         if not (self.training and self.track_running_stats):
             return None, None, None
         state = (self.running_mean, self.running_var, self.num_batches_tracked)
-        if torch.compiler.is_compiling() or not in_recomputation():
+        if torch.compiler.is_compiling() or not in_recomputation(getattr(self, REPLICA_ATTR)):
             return state
         return tuple(None if t is None else t.clone() for t in state)  # type: ignore[return-value]
 

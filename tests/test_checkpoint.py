@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 import syncbn.modules.batchnorm
-from helpers import count_exchanges
+from helpers import count_exchanges, run_threads, stock_replicas
 from syncbn import nn as NN
 from syncbn.functions.checkpointing import RecomputedBatchNorm
 from syncbn.parallel import ThreadedDataParallel
@@ -196,3 +196,28 @@ def test_a_checkpointed_step_makes_no_more_collectives_than_a_plain_one() -> Non
             plain, checkpointed = counts[layer, False], counts[layer, True]
             assert sum(map(len, plain.values())) == 4, plain  # two layers, forward and backward each
             assert checkpointed == plain, (layer, checkpointed, plain)
+
+
+def test_replicas_made_inside_a_backward_pass_update_copies() -> None:
+    """Stock nn.DataParallel under a checkpoint around it: the recomputation's replicate() runs in
+    the backward, its replicas in torch's threads, which are not in it; they meet (the first run's
+    statistics are not found across threads) and leave the buffers as they were."""
+    bn = NN.BatchNorm2d(3).to(F64)
+    before = copy.deepcopy(bn.state_dict())
+    x = torch.randn(5, 3, 2, 2, dtype=F64)
+
+    class ForwardInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            replicas = stock_replicas(bn, 2)
+            results = run_threads([lambda r=r, part=part: r(part) for r, part in zip(replicas, x.split([3, 2]))])
+            assert all(isinstance(y, torch.Tensor) for y in results), results
+            return grad
+
+    ForwardInBackward.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    for name, value in bn.state_dict().items():
+        assert torch.equal(value, before[name]), name

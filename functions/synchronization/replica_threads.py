@@ -14,29 +14,17 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 
-from .. import torch_internals
 from ..operators.backend import set_thread_intra_op_threads
 from .replicas import ReplicaRound, ReplicaSyncError, abort_rounds
 
 T = TypeVar("T")
 
-_replaying = threading.local()  # .caller: a replica thread's caller was in a backward pass
-
-
-def in_recomputation() -> bool:
-    """Whether a forward on this thread runs again inside a backward pass (torch.utils.checkpoint
-    recomputing it): on the backward's own thread, or on a replica thread whose caller is one."""
-    return torch_internals.in_backward_pass() or getattr(_replaying, "caller", False)
-
-
 class ThreadState:
-    """The caller's thread-local state (grad mode, autocast, CUDA stream, whether it recomputes in
-    a backward pass) for worker threads, and
+    """The caller's thread-local state (grad mode, autocast, CUDA stream) for worker threads, and
     each CPU replica's share of the caller's intra-op threads."""
 
     def __init__(self, devices: Sequence[torch.device]) -> None:
         self.grad_enabled = torch.is_grad_enabled()
-        self.recomputing = in_recomputation()
         types = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
         self.autocast = [(t, torch.get_autocast_dtype(t)) for t in types if torch.is_autocast_enabled(t)]
         self.streams = {d: torch.cuda.current_stream(d) for d in devices if d.type == "cuda"}
@@ -49,9 +37,7 @@ class ThreadState:
     def on(self, device: torch.device) -> Iterator[None]:
         if device.type == "cpu":
             set_thread_intra_op_threads(self.cpu_threads)
-        _replaying.caller = self.recomputing
         with ExitStack() as stack:
-            stack.callback(setattr, _replaying, "caller", False)  # workers outlive the step
             stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
             for device_type, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype))

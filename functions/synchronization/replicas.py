@@ -88,10 +88,15 @@ class ReplicaRound:
     the round's native side (src/replica_round.h), made at the first exchange; this holds who
     belongs and why the round broke, where Python broke it."""
 
-    def __init__(self, layer: str, number: int, timeout: float, spin_us: float | None = None) -> None:
+    def __init__(
+        self, layer: str, number: int, timeout: float, spin_us: float | None = None, recomputing: bool = False
+    ) -> None:
         self.layer = layer
         self.number = number
         self.timeout = timeout
+        self.recomputing = recomputing
+        """Whether the replicas were made inside a backward pass: a checkpoint's recomputation of
+        the wrapper (their threads are not in the backward themselves)."""
         self.spin_us = SPIN_US if spin_us is None else spin_us
         """How long a replica waiting at this round's meetings polls, where a core is spare,
         before it sleeps (microseconds, 0 to 1e6)."""
@@ -239,7 +244,8 @@ class RoundTracker:
         with self._lock:
             if self._starts_round(position):
                 layer, timeout = settings()  # may raise (a bad timeout): no round number taken
-                self._current = ReplicaRound(layer, self._rounds + 1, timeout)  # may raise too
+                recomputing = torch_internals.in_backward_pass()  # the replicating thread is the caller's
+                self._current = ReplicaRound(layer, self._rounds + 1, timeout, recomputing=recomputing)  # may raise too
                 self._rounds += 1
             return ReplicaHandle(self._current, self._current.add(replica))
 
@@ -275,6 +281,12 @@ def replicas_in_order(module: nn.Module, count: int) -> list[nn.Module]:
     finally:
         REPLICATING.index = outer
     return replicas
+
+
+def in_recomputation(handle: ReplicaHandle | None) -> bool:
+    """Whether a forward runs again inside a backward pass (torch.utils.checkpoint recomputing it):
+    on the backward's own thread, or as a replica (``handle``) made there."""
+    return torch_internals.in_backward_pass() or (handle is not None and handle.round.recomputing)
 
 
 def warn_if_data_parallel_meets_no_one() -> None:
