@@ -1,19 +1,25 @@
-"""A synchronized layer under ``torch.utils.checkpoint(use_reentrant=False)``: its recomputation
-in backward reuses the statistics of its first run, so it meets no replica and makes no
-collective again, and updates no running statistics.
+"""A synchronized layer under ``torch.utils.checkpoint``: its recomputation in backward reuses the
+statistics of its first run, so its forward meets no replica and makes no collective again, and
+updates no running statistics.
 
-Non-reentrant checkpoint keeps the first run's autograd nodes and differentiates them; the
-recomputation only makes again the tensors those nodes saved, matched to them by the order in
-which they are saved. A synchronized call in the first run leaves its (mean, invstd) under its
-place in that order (:func:`remember`); the recomputed call at the same place takes them back
-(:func:`recall`) and normalizes with them alone, saving what the first run saved, in the same
-order (:class:`RecomputedBatchNorm`, :class:`RecomputedInPlaceABN`). The statistics live as long
-as the region's checkpoint frame, which the first run's graph holds.
+A synchronized call in a checkpointed region's first run keeps its (mean, invstd, count) under its
+place in the region (:func:`remember`); the recomputed call at the same place takes them back
+(:func:`recall`) and its forward normalizes with them alone
+(:attr:`~functions.synchronization.synchronizer.Synchronizer.given`), saving what the first run
+saved, so that its backward, where it runs, meets as the first run's would have. The place:
 
-Where no statistics are found (reentrant checkpoint, which recomputes outside any saved-tensor
-hook; a checkpoint around ThreadedDataParallel, whose replicas run on other threads; other
-saved-tensor hooks inside the region) the recomputation meets again, with the same result, and
-updates copies of the running statistics (``SyncBatchNorm._running_state``).
+- non-reentrant checkpoint (``use_reentrant=False``) keeps the first run's autograd nodes and
+  differentiates them, the recomputation only making again the tensors they saved, matched to
+  them by the order in which they are saved: the place is the region's frame and the index of
+  the call's first saved tensor in that order;
+- reentrant checkpoint runs the region without a graph first, and differentiates the
+  recomputation: the place is the region's autograd node and the call's number among the
+  synchronized calls of that run.
+
+The statistics live as long as the region's frame or node, which the graph holds. Where none are
+found (a checkpoint around ThreadedDataParallel or nn.DataParallel, whose replicas run on other
+threads; other saved-tensor hooks inside the region) the recomputation meets again, with the same
+result, and updates copies of the running statistics (``SyncBatchNorm._running_state``).
 """
 from __future__ import annotations
 
@@ -22,32 +28,41 @@ import weakref
 from typing import NamedTuple
 
 from torch import Tensor
-from torch.autograd.function import Function
 
 from . import torch_internals
-from .operators.ops import OVERLOADS
-from .operators.reference import memory_format_of
 
-Statistics = tuple[Tensor, Tensor]
-"""A replica's (mean, invstd) of one call, in the accumulation dtype, on its device."""
+Statistics = tuple[Tensor, Tensor, "int | Tensor | None"]
+"""A replica's (mean, invstd) of one call, in the accumulation dtype, on its device, and the
+count of values per channel that its backward divides by (the master's; None for the others)."""
 
 _KEPT: "weakref.WeakKeyDictionary[object, dict[int, Statistics]]" = weakref.WeakKeyDictionary()
-_KEPT_LOCK = threading.Lock()  # replicas on other threads keep theirs in their own frames
+_CALLS: "weakref.WeakKeyDictionary[object, dict[int, int]]" = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()  # replicas on other threads keep theirs in their own regions
 
 
 class Place(NamedTuple):
-    """A call's place in a checkpointed region: the region's frame, the index of the first tensor
-    the call saves, and whether this is the recomputation."""
+    """A call's place in a checkpointed region: the region (its frame or node), the call's index
+    there, and whether this is the recomputation."""
 
-    frame: object
+    region: object
     index: int
     recomputing: bool
 
 
 def place() -> Place | None:
-    """This call's place in the non-reentrant checkpoint region it runs in, or None."""
+    """This synchronized call's place in the checkpointed region it runs in, or None."""
     position = torch_internals.checkpoint_position()
-    return None if position is None else Place(*position)
+    if position is not None:
+        return Place(*position)
+    region = torch_internals.reentrant_checkpoint_region()
+    if region is None:
+        return None
+    node, recomputing = region
+    run = torch_internals.current_graph_task_id()  # -1: the first run, else the backward that recomputes
+    with _LOCK:
+        calls = _CALLS.setdefault(node, {})
+        index = calls[run] = calls.get(run, -1) + 1
+    return Place(node, index, recomputing)
 
 
 def remember(where: Place | None, statistics: Statistics | None) -> None:
@@ -55,8 +70,8 @@ def remember(where: Place | None, statistics: Statistics | None) -> None:
     outside a region's first run)."""
     if where is None or where.recomputing or statistics is None:
         return
-    with _KEPT_LOCK:
-        _KEPT.setdefault(where.frame, {})[where.index] = statistics
+    with _LOCK:
+        _KEPT.setdefault(where.region, {})[where.index] = statistics
 
 
 def recall(where: Place | None) -> Statistics | None:
@@ -65,49 +80,5 @@ def recall(where: Place | None) -> Statistics | None:
     for the next backward."""
     if where is None or not where.recomputing:
         return None
-    with _KEPT_LOCK:
-        return _KEPT.get(where.frame, {}).get(where.index)
-
-
-def _not_differentiated(layer: str) -> RuntimeError:
-    return RuntimeError(
-        f"{layer}: the graph of a checkpoint's recomputation is not differentiated (checkpoint differentiates "
-        "the first run's nodes); a backward inside a checkpointed function through a synchronized layer is "
-        "not supported"
-    )
-
-
-class RecomputedBatchNorm(Function):
-    """``y = act((x - mean) * invstd * weight + bias + z)`` with the given statistics, saving
-    (x, weight, bias, z, mean, invstd) as the synchronized forward saves them (the Python Function
-    and the native node alike). ``apply(x, weight, bias, z, mean, invstd, negative_slope, layer)``;
-    x ``(N, C, *)``, the others ``(C,)`` or None (z shaped as x)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, residual, mean, invstd, negative_slope, layer):  # type: ignore[override]
-        x = x.contiguous(memory_format=memory_format_of(x))
-        ctx.save_for_backward(x, weight, bias, residual, mean, invstd)
-        ctx.layer = layer
-        return OVERLOADS.elemt_forward(x, mean, invstd, weight, bias, residual, negative_slope)
-
-    @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
-        raise _not_differentiated(ctx.layer)
-
-
-class RecomputedInPlaceABN(Function):
-    """In-place ABN's forward with the given statistics, written over ``x``, saving (x, invstd,
-    weight, bias) as :class:`~functions.inplace_abn.InPlaceABNFunction` saves them.
-    ``apply(x, weight, bias, mean, invstd, eps, activation, activation_param, layer)``."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, mean, invstd, eps, activation, activation_param, layer):  # type: ignore[override]
-        OVERLOADS.abn_forward_(x, mean, invstd, weight, bias, eps, activation, activation_param)
-        ctx.mark_dirty(x)
-        ctx.save_for_backward(x, invstd, weight, bias)
-        ctx.layer = layer
-        return x
-
-    @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
-        raise _not_differentiated(ctx.layer)
+    with _LOCK:
+        return _KEPT.get(where.region, {}).get(where.index)

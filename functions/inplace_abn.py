@@ -99,6 +99,10 @@ class InPlaceABNFunction(Function):
         elif sync is None:
             mean, invstd = _lone_normalization(x, running, eps, layer)
             OVERLOADS.abn_forward_(x, mean, invstd, weight, bias, *act)
+        elif sync.given is not None:  # a checkpoint's recomputation: the statistics met already
+            mean, invstd, sync.count = sync.given
+            OVERLOADS.abn_forward_(x, mean, invstd, weight, bias, *act)
+            sync.normalization = mean, invstd
         else:
             part = _ForwardPart(x, weight, bias, sync.stream_for(x.device))
             sync.normalization = sync.on_master("forward", part, lambda parts: _forward_every_replica(parts, sync, running, act))

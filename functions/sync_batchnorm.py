@@ -81,11 +81,15 @@ class SyncBatchNormFunction(Function):
             return OVERLOADS.batch_norm_train(
                 x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, residual, negative_slope
             )
-        part = _ForwardPart(x, weight, bias, residual, sync.stream_for(x.device))
-        running = (running_mean, running_var, num_batches_tracked, momentum)
-        y, mean, invstd = sync.on_master(
-            "forward", part, lambda parts: _forward_every_replica(parts, sync, eps, negative_slope, running)
-        )
+        if sync.given is not None:  # a checkpoint's recomputation: the statistics met already
+            mean, invstd, sync.count = sync.given
+            y = OVERLOADS.elemt_forward(x, mean, invstd, weight, bias, residual, negative_slope)
+        else:
+            part = _ForwardPart(x, weight, bias, residual, sync.stream_for(x.device))
+            running = (running_mean, running_var, num_batches_tracked, momentum)
+            y, mean, invstd = sync.on_master(
+                "forward", part, lambda parts: _forward_every_replica(parts, sync, eps, negative_slope, running)
+            )
         sync.normalization = mean, invstd
         return y, mean, invstd
 
@@ -382,7 +386,8 @@ def native_sync_batch_norm(
     its own input. The backward is a C++ autograd node that meets again (the ranks' all_reduce
     through :meth:`~functions.synchronization.synchronizer.Synchronizer.reduce_row`). Same arguments, results,
     errors and timeouts as :func:`sync_batch_norm` (this replica's mean and invstd left in
-    ``sync.normalization``, as the Function leaves them); raises :class:`~functions.ReplicaSyncError`
+    ``sync.normalization`` and the count in ``sync.count``, as the Function leaves them; never
+    with ``sync.given``); raises :class:`~functions.ReplicaSyncError`
     where the replicas' round broke."""
     call = sync.replica_call
     ranks = None
@@ -390,7 +395,7 @@ def native_sync_batch_norm(
         sync.native = distributed.native_ranks(sync.process_call, input.dtype, input.device)
         ranks = sync
     try:
-        y, mean, invstd = backend.NATIVE_ROUNDS.sync_batch_norm(  # type: ignore[union-attr]
+        y, mean, invstd, count = backend.NATIVE_ROUNDS.sync_batch_norm(  # type: ignore[union-attr]
             None if call is None else call.round.native(), 0 if call is None else call.index,
             0 if call is None else call.number, input, weight, bias, running_mean, running_var,
             num_batches_tracked, momentum, eps, residual, negative_slope, layer, ranks,
@@ -400,5 +405,5 @@ def native_sync_batch_norm(
         if error.__cause__ is None and cause is not None and not isinstance(cause, ReplicaSyncError):
             error.__cause__ = cause
         raise
-    sync.normalization = mean, invstd
+    sync.normalization, sync.count = (mean, invstd), count
     return y

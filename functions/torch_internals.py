@@ -94,6 +94,7 @@ def is_checkpoint_stop(error: BaseException) -> bool:
 
 
 _CHECKPOINT_PACK = "_checkpoint_hook.__init__.<locals>.pack_hook"
+_CHECKPOINT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
 _RECOMPUTATION_PACK = "_recomputation_hook.__init__.<locals>.pack_hook"
 
 
@@ -116,6 +117,24 @@ def checkpoint_position() -> tuple[object, int, bool] | None:
     if pack.__qualname__ == _RECOMPUTATION_PACK:
         frame = cells["target_frame_ref"]()
         return None if frame is None else (frame, frame.recomp_counter[cells["gid"]], True)
+    return None
+
+
+def reentrant_checkpoint_region(max_depth: int = 64) -> tuple[object, bool] | None:
+    """The ``torch.utils.checkpoint(use_reentrant=True)`` region this thread runs in, as its
+    autograd node, and whether this is its recomputation: the first run has grad off and
+    ``CheckpointFunction.forward`` among its callers (its ``ctx`` is the node); the recomputation
+    runs in that node's backward (``torch._C._current_autograd_node()``). None elsewhere."""
+    if torch.is_grad_enabled():
+        node = torch._C._current_autograd_node()
+        return (node, True) if type(node).__name__ == "CheckpointFunctionBackward" else None
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        if frame.f_code is _CHECKPOINT_FORWARD:
+            return frame.f_locals["ctx"], False
+        frame = frame.f_back
     return None
 
 

@@ -305,15 +305,12 @@ class SyncBatchNorm(_BatchNorm):
         A checkpoint's recomputation takes the first run's statistics instead, where it kept them
         (:mod:`functions.checkpointing`)."""
         where = checkpointing.place()
-        kept = checkpointing.recall(where)
-        if kept is not None:
-            self._check_input(input, z)
-            return self._recomputed(input, z, kept)
         # the device that a failure report to the ranks is made on (none made without ranks)
         weight = self.weight if group is not None else None
         device = weight.device if weight is not None else input.device
         label = handle.round.layer if handle is not None else self._label()  # the round made it already
         sync = Synchronizer.for_call(handle, group, self._process_sync, label, self.num_features, device)
+        sync.given = checkpointing.recall(where)
         try:
             self._check_input(input, z)
             check_not_captured(input, label)
@@ -321,7 +318,7 @@ class SyncBatchNorm(_BatchNorm):
         except BaseException as error:
             sync.fail(error)
             raise
-        checkpointing.remember(where, sync.normalization)
+        checkpointing.remember(where, sync.statistics())
         return y
 
     def _forward_traced(self, input: Tensor, z: Tensor | None, group: Any) -> Tensor:
@@ -332,14 +329,9 @@ class SyncBatchNorm(_BatchNorm):
 
     def _synced(self, input: Tensor, z: Tensor | None, sync: Synchronizer) -> Tensor:
         """The synchronized call itself, its input checked: natively where the compiled module
-        serves, else through the autograd Function."""
-        function = native_sync_batch_norm if native_serves() else sync_batch_norm
+        serves, else (and with statistics given) through the autograd Function."""
+        function = native_sync_batch_norm if native_serves() and sync.given is None else sync_batch_norm
         return self._batch_stats(function, input, z, sync.layer, sync=sync)
-
-    def _recomputed(self, input: Tensor, z: Tensor | None, statistics: tuple[Tensor, Tensor]) -> Tensor:
-        """A checkpoint's recomputation of a synchronized call, with the first run's (mean, invstd)."""
-        args = (input, self.weight, self.bias, z, *statistics, self._negative_slope(), self._label())
-        return checkpointing.RecomputedBatchNorm.apply(*args)
 
     def _batch_stats(self, function: Any, input: Tensor, z: Tensor | None, label: str | None = None, **meeting: Any) -> Tensor:
         """``function`` (:func:`~functions.sync_batch_norm` or

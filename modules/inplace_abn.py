@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from ..functions import checkpointing
 from ..functions.inplace_abn import inplace_abn
 from ..functions.operators.reference import memory_format_of
 from ..functions.operators.reference_abn import ABN_ACTIVATIONS
@@ -178,12 +177,6 @@ class InPlaceABN(ABN):
 
     def _synced(self, input: Tensor, z: Tensor | None, sync: Synchronizer) -> Tensor:
         return self._inplace(input, sync, batch_stats=True)
-
-    def _recomputed(self, input: Tensor, z: Tensor | None, statistics: tuple[Tensor, Tensor]) -> Tensor:
-        mean, invstd = statistics
-        return checkpointing.RecomputedInPlaceABN.apply(
-            input, self.weight, self.bias, mean, invstd, self.eps, self.activation, self.activation_param, self._label()
-        )
 
     def _inplace(self, input: Tensor, sync: Synchronizer | None, batch_stats: bool) -> Tensor:
         # batch statistics update the running ones (_running_state); fixed ones are read

@@ -282,6 +282,13 @@ class Ranks {
   }
   explicit operator bool() const { return sync_ != nullptr; }
 
+  // The global count of the forward that merged, as the Python path's Synchronizer.count holds
+  // it: an int, or the device total where the checks are deferred; `process` without ranks.
+  pybind11::object count(int64_t process) const {
+    if (device_count_.defined()) return pybind11::cast(device_count_);
+    return pybind11::int_(sync_ ? count_ : process);
+  }
+
   // (mean, var) over every rank, from this process's (count, mean, M2) of an input of `sizes`:
   // one all_gather of the row [header, mean, M2], the rows merged in rank order with the running
   // statistics' update (where they pass the checks: merge_gathered_stats), as
@@ -692,11 +699,11 @@ auto make_node() {
 }  // namespace
 
 // One replica's call of a synchronized layer (see the file's comment): y, with the autograd
-// history whose backward meets the other replicas (and ranks) again, and the replica's mean and
-// invstd (which a checkpoint's recomputation reuses). `round`: none where this is
+// history whose backward meets the other replicas (and ranks) again, and the replica's mean,
+// invstd and its process's count (which a checkpoint's recomputation reuses). `round`: none where this is
 // the only replica of its process; `sync`: the process master's Synchronizer where a process
 // group takes part, else null.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> sync_batch_norm(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> sync_batch_norm(
     const std::shared_ptr<ReplicaRound>& round, int64_t index, int64_t call,
                            const at::Tensor& input, const OptTensor& weight, const OptTensor& bias,
                            const OptTensor& running_mean, const OptTensor& running_var,
@@ -745,7 +752,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sync_batch_norm(
       node->invstd = torch::autograd::SavedVariable(normalization.invstd, false);
       torch::autograd::set_history(y, node);
     }
-    return std::make_tuple(y, normalization.mean, normalization.invstd);
+    return std::make_tuple(y, normalization.mean, normalization.invstd, normalization.count);
   });
 }
 
@@ -798,7 +805,7 @@ void bind_sync_batch_norm(pybind11::module_& m) {
          std::optional<double> negative_slope, const std::string& layer, const py::object& sync) {
         std::optional<std::string> broken;
         std::optional<python_error> raised;  // a Python exception, as it is (checkpoint's control flow too)
-        std::tuple<at::Tensor, at::Tensor, at::Tensor> result;
+        std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> result;
         const auto ranks = std::make_shared<Ranks>(sync.is_none() ? nullptr : sync.ptr());  // with the GIL
         {
           py::gil_scoped_release no_gil;  // the wait, and the master's work, without the GIL
@@ -816,12 +823,13 @@ void bind_sync_batch_norm(pybind11::module_& m) {
           throw py::error_already_set();
         }
         if (broken) throw_replica_sync_error(*broken);
-        return result;
+        const auto& [y, mean, invstd, count] = result;
+        return py::make_tuple(y, mean, invstd, ranks->count(count));
       },
       py::arg("round").none(true), py::arg("index"), py::arg("call"), py::arg("input"), py::arg("weight"),
       py::arg("bias"), py::arg("running_mean"), py::arg("running_var"), py::arg("num_batches_tracked"),
       py::arg("momentum"), py::arg("eps"), py::arg("residual"), py::arg("negative_slope"), py::arg("layer"),
-      py::arg("sync"), "One replica's call of a synchronized layer: (y, mean, invstd) (see src/sync_batch_norm.cpp)");
+      py::arg("sync"), "One replica's call of a synchronized layer: (y, mean, invstd, count) (see src/sync_batch_norm.cpp)");
 }
 
 }  // namespace syncbn

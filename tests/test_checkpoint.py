@@ -4,7 +4,7 @@ of the same model without checkpointing on the whole batch, on one device (reent
 ThreadedDataParallel (checkpoint around the wrapper and inside the replicas) and across ranks
 (against nn.BatchNorm2d); float64, three steps, uneven replica batches; batch norm, the
 cumulative average, a fused activation, in-place ABN and a frozen layer. A synchronized layer
-recomputed by non-reentrant checkpoint reuses its first run's statistics: a checkpointed step
+recomputed by checkpoint (reentrant or not) reuses its first run's statistics: a checkpointed step
 meets the replicas and makes the collectives that a plain step does, no more."""
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from torch.utils.checkpoint import checkpoint
 import syncbn.modules.batchnorm
 from helpers import count_exchanges, run_threads, stock_replicas
 from syncbn import nn as NN
-from syncbn.functions.checkpointing import RecomputedBatchNorm
 from syncbn.parallel import ThreadedDataParallel
 from testkit.collectives import count_collectives
 from testkit.local_group import run_local_group
@@ -166,36 +165,49 @@ def test_a_layer_called_several_times_in_checkpointed_regions_takes_each_call_it
     assert ours.norm.num_batches_tracked.item() == 3 * 4
 
 
-def test_the_recomputed_graph_is_not_differentiated() -> None:
-    """Checkpoint differentiates the first run's nodes; a backward through the recomputation's own
-    node would lack the other replicas' sums, so it says so rather than compute local gradients."""
-    x = torch.randn(4, 3, 2, 2, dtype=F64, requires_grad=True)
-    mean, invstd = torch.zeros(3, dtype=F64), torch.ones(3, dtype=F64)
-    y = RecomputedBatchNorm.apply(x, None, None, None, mean, invstd, None, "SyncBatchNorm2d(3) 'norm'")
-    with pytest.raises(RuntimeError, match=r"SyncBatchNorm2d\(3\) 'norm': the graph of a checkpoint's recomputation"):
-        y.sum().backward()
+CHECKPOINTS = {"plain": dict(), "non_reentrant": dict(inner=True), "reentrant": dict(inner=True, reentrant=True)}
 
 
 def collectives_per_step(rank: int, world: int) -> dict:
-    """Each layer kind under DDP, a step with its block checkpointed and one without: the
-    collectives our layers make, as (name, elements) lists."""
+    """Each layer kind synchronized over 2 ranks (3 and 4 rows), a step with its block checkpointed
+    (non-reentrant under DDP, reentrant without: DDP refuses a parameter's gradient twice) and one
+    without: the collectives our layers make, as {name: sorted element counts}."""
     counts = {}
     for layer in SYNCED_LAYERS:
-        for inner in (False, True):
+        for name, net_args in CHECKPOINTS.items():
             torch.manual_seed(0)
-            model = DistributedDataParallel(Net(LAYERS[layer], inner=inner).to(F64))
+            model = Net(LAYERS[layer], **net_args).to(F64)
+            model = model if name == "reentrant" else DistributedDataParallel(model)
+            x = torch.randn(3 + rank, 3, 5, 5, dtype=F64, requires_grad=True)  # reentrant needs one
             with count_collectives() as seen:
-                one_step(model, rows=3 + rank)
-            counts[layer, inner] = {name: sorted(sizes) for name, sizes in seen.items()}
+                model(x).sum().backward()
+            counts[layer, name] = {op: sorted(sizes) for op, sizes in seen.items()}
     return counts
 
 
 def test_a_checkpointed_step_makes_no_more_collectives_than_a_plain_one() -> None:
     for counts in run_local_group(collectives_per_step, 2, timeout_s=60):
         for layer in SYNCED_LAYERS:
-            plain, checkpointed = counts[layer, False], counts[layer, True]
+            plain = counts[layer, "plain"]
             assert sum(map(len, plain.values())) == 4, plain  # two layers, forward and backward each
-            assert checkpointed == plain, (layer, checkpointed, plain)
+            for name in ("non_reentrant", "reentrant"):
+                assert counts[layer, name] == plain, (layer, name, counts[layer, name], plain)
+
+
+def ranks_reentrant(rank: int, world: int, layer: str) -> None:
+    """Reentrant checkpoint across ranks (3 and 4 rows), the recomputation's graph differentiated:
+    against the same synchronized model without checkpointing."""
+    torch.manual_seed(0)
+    plain = Net(LAYERS[layer]).to(F64)
+    ours = Net(LAYERS[layer], inner=True, reentrant=True).to(F64)
+    ours.load_state_dict(plain.state_dict())
+    inputs = lambda step: [torch.randn(3 + rank, 3, 5, 5, dtype=F64)]  # noqa: E731
+    assert_agree(train_side_by_side(plain, ours, inputs, 3), **TOL)
+
+
+@pytest.mark.parametrize("layer", ["bn", "inplace_abn"])
+def test_reentrant_checkpoint_across_ranks_reuses_the_statistics_exactly(layer) -> None:
+    run_local_group(ranks_reentrant, 2, layer, timeout_s=60)
 
 
 def test_replicas_made_inside_a_backward_pass_update_copies() -> None:

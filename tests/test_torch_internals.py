@@ -151,6 +151,27 @@ def test_a_checkpoint_region_says_where_each_saved_tensor_goes() -> None:
     assert positions == [None] * 6
 
 
+def test_a_reentrant_checkpoint_region_is_its_node_in_both_runs() -> None:
+    # the first run (grad off, CheckpointFunction.forward among the callers) names its ctx, the
+    # recomputation (in the node's backward) the node: the same object; elsewhere None
+    regions: list = []
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        regions.append(torch_internals.reentrant_checkpoint_region())
+        return x.sin()
+
+    x = torch.randn(4, requires_grad=True)
+    y = checkpoint(region, x, use_reentrant=True)
+    assert type(y.grad_fn).__name__ == "CheckpointFunctionBackward"
+    y.sum().backward()
+    assert regions == [(y.grad_fn, False), (y.grad_fn, True)]
+    regions.clear()
+    checkpoint(region, x, use_reentrant=False).sum().backward()
+    with torch.no_grad():
+        region(x)
+    assert regions == [None] * 3
+
+
 def test_apply_without_binding_gives_what_apply_gives() -> None:
     class Scale(torch.autograd.Function):
         @staticmethod

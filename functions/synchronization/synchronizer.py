@@ -80,7 +80,10 @@ class Synchronizer:
         self._joined_collective = False
         self.native: tuple | None = None  # the native path's process master: distributed.native_ranks
         self.normalization: tuple[Tensor, Tensor] | None = None
-        """This replica's (mean, invstd) once the forward has made them (a checkpoint's recomputation reuses them)."""
+        """This replica's (mean, invstd) once the forward has made them."""
+        self.given: tuple[Tensor, Tensor, int | Tensor | None] | None = None
+        """(mean, invstd, count) that a checkpoint's first run kept for this call, its recomputation:
+        the forward takes them and meets no one (:mod:`functions.checkpointing`)."""
 
     @classmethod
     def for_call(
@@ -107,6 +110,11 @@ class Synchronizer:
         """The one replica of the process that does every replica's work and updates the
         running statistics."""
         return self.replica_call is None or self.replica_call.is_master
+
+    def statistics(self) -> tuple[Tensor, Tensor, int | Tensor | None] | None:
+        """This replica's (mean, invstd, count) once the forward ran (the count where this is the
+        master), for a checkpoint's recomputation to be :attr:`given`; None before."""
+        return None if self.normalization is None else (*self.normalization, self.count)
 
     def stream_for(self, device: torch.device) -> "torch.cuda.Stream | None":
         """The stream this replica runs on, on ``device``, for the master to run its part on
