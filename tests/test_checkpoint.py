@@ -212,8 +212,8 @@ def test_reentrant_checkpoint_across_ranks_reuses_the_statistics_exactly(layer) 
 
 def test_replicas_made_inside_a_backward_pass_update_copies() -> None:
     """Stock nn.DataParallel under a checkpoint around it: the recomputation's replicate() runs in
-    the backward, its replicas in torch's threads, which are not in it; they meet (the first run's
-    statistics are not found across threads) and leave the buffers as they were."""
+    the backward, its replicas in torch's threads, which are not in it; they meet and leave the
+    buffers as they were."""
     bn = NN.BatchNorm2d(3).to(F64)
     before = copy.deepcopy(bn.state_dict())
     x = torch.randn(5, 3, 2, 2, dtype=F64)

@@ -19,6 +19,7 @@ from .replicas import ReplicaRound, ReplicaSyncError, abort_rounds
 
 T = TypeVar("T")
 
+
 class ThreadState:
     """The caller's thread-local state (grad mode, autocast, CUDA stream) for worker threads, and
     each CPU replica's share of the caller's intra-op threads."""
