@@ -6,15 +6,18 @@ A synchronized call in a checkpointed region's first run keeps its (mean, invstd
 place in the region (:func:`remember`); the recomputed call at the same place takes them back
 (:func:`recall`) and its forward normalizes with them alone
 (:attr:`~functions.synchronization.synchronizer.Synchronizer.given`), saving what the first run
-saved, so that its backward, where it runs, meets as the first run's would have. The place:
+saved, so that its backward, where it runs, meets as the first run's would have. The place is the
+region and the call's number among the synchronized calls of that run of it (a recomputation runs
+the region's Python again, in the same order, up to checkpoint's early stop), whatever each call
+saves and whatever the grad mode:
 
-- non-reentrant checkpoint (``use_reentrant=False``) keeps the first run's autograd nodes and
-  differentiates them, the recomputation only making again the tensors they saved, matched to
-  them by the order in which they are saved: the place is the region's frame and the index of
-  the call's first saved tensor in that order;
-- reentrant checkpoint runs the region without a graph first, and differentiates the
-  recomputation: the place is the region's autograd node and the call's number among the
-  synchronized calls of that run.
+- non-reentrant checkpoint (``use_reentrant=False``): the region is its ``_CheckpointFrame``,
+  found through the innermost saved-tensor hooks, which the first run and each recomputation set;
+- reentrant checkpoint: the region is its autograd node, the ``ctx`` of the innermost
+  ``CheckpointFunction.forward`` (the first run) or ``backward`` (the recomputation) on the stack.
+
+A kept call is taken back only by a call of the same layer on an input of the same shape and
+dtype. A region nested in a recomputation runs a first run of its own there, which meets again.
 
 The statistics live as long as the region's frame or node, which the graph holds. Where none are
 found (a checkpoint around ThreadedDataParallel or nn.DataParallel, whose replicas run on other
@@ -25,8 +28,9 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
 from . import torch_internals
@@ -35,14 +39,18 @@ Statistics = tuple[Tensor, Tensor, "int | Tensor | None"]
 """A replica's (mean, invstd) of one call, in the accumulation dtype, on its device, and the
 count of values per channel that its backward divides by (the master's; None for the others)."""
 
-_KEPT: "weakref.WeakKeyDictionary[object, dict[int, Statistics]]" = weakref.WeakKeyDictionary()
-_CALLS: "weakref.WeakKeyDictionary[object, dict[int, int]]" = weakref.WeakKeyDictionary()
+Signature = tuple[int, tuple[int, ...], torch.dtype]
+"""What a call is in both runs: its layer (``id``; the region holds the layer alive), its input's
+shape and dtype. A kept call whose recomputation differs is not taken: it meets again."""
+
+_KEPT: "weakref.WeakKeyDictionary[object, dict[int, tuple[Signature, Statistics]]]" = weakref.WeakKeyDictionary()
+_CALLS: "weakref.WeakKeyDictionary[object, dict[Any, int]]" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()  # replicas on other threads keep theirs in their own regions
 
 
 class Place(NamedTuple):
-    """A call's place in a checkpointed region: the region (its frame or node), the call's index
-    there, and whether this is the recomputation."""
+    """A call's place in a checkpointed region: the region (its frame or node), the call's number
+    among the synchronized calls of this run of it, and whether this run is the recomputation."""
 
     region: object
     index: int
@@ -50,35 +58,40 @@ class Place(NamedTuple):
 
 
 def place() -> Place | None:
-    """This synchronized call's place in the checkpointed region it runs in, or None."""
-    position = torch_internals.checkpoint_position()
-    if position is not None:
-        return Place(*position)
-    region = torch_internals.reentrant_checkpoint_region()
-    if region is None:
+    """This synchronized call's place in the checkpointed region it runs in, or None. Every
+    synchronized call of a run is numbered, whatever it saves and whatever the grad mode, in the
+    order the region makes them, which its recomputation repeats: a recomputation of a
+    ``retain_graph`` backward numbers its calls again."""
+    found = torch_internals.nonreentrant_checkpoint_region() or torch_internals.reentrant_checkpoint_region()
+    if found is None:
         return None
-    node, recomputing = region
-    run = torch_internals.current_graph_task_id()  # -1: the first run, else the backward that recomputes
+    region, run = found
     with _LOCK:
-        calls = _CALLS.setdefault(node, {})
+        calls = _CALLS.setdefault(region, {})
         index = calls[run] = calls.get(run, -1) + 1
-    return Place(node, index, recomputing)
+    return Place(region, index, run != torch_internals.FIRST_RUN)
 
 
-def remember(where: Place | None, statistics: Statistics | None) -> None:
-    """Keep the first run's ``statistics`` for the recomputation at the same place (nothing
-    outside a region's first run)."""
+def signature(layer: object, input: Tensor) -> Signature:
+    """What a call of ``layer`` on ``input`` is, for :func:`remember` and :func:`recall`."""
+    return id(layer), tuple(input.shape), input.dtype
+
+
+def remember(where: Place | None, call: Signature, statistics: Statistics | None) -> None:
+    """Keep the first run's ``statistics`` of ``call`` for the recomputation at the same place
+    (nothing outside a region's first run)."""
     if where is None or where.recomputing or statistics is None:
         return
     with _LOCK:
-        _KEPT.setdefault(where.region, {})[where.index] = statistics
+        _KEPT.setdefault(where.region, {})[where.index] = call, statistics
 
 
-def recall(where: Place | None) -> Statistics | None:
-    """The statistics the first run kept at this place where this is the recomputation, else
-    None. Kept after reading: a backward with ``retain_graph=True`` recomputes the region again
-    for the next backward."""
+def recall(where: Place | None, call: Signature) -> Statistics | None:
+    """The statistics the first run kept at this place for the same ``call``, where this is the
+    recomputation; else None (the call meets again). Kept after reading: a backward with
+    ``retain_graph=True`` recomputes the region again for the next backward."""
     if where is None or not where.recomputing:
         return None
     with _LOCK:
-        return _KEPT.get(where.region, {}).get(where.index)
+        kept = _KEPT.get(where.region, {}).get(where.index)
+    return kept[1] if kept is not None and kept[0] == call else None

@@ -94,16 +94,17 @@ def is_checkpoint_stop(error: BaseException) -> bool:
 
 
 _CHECKPOINT_PACK = "_checkpoint_hook.__init__.<locals>.pack_hook"
-_CHECKPOINT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
 _RECOMPUTATION_PACK = "_recomputation_hook.__init__.<locals>.pack_hook"
+FIRST_RUN = "first run"
+"""The run of a checkpointed region that is not a recomputation, as the region readers name it."""
 
 
-def checkpoint_position() -> tuple[object, int, bool] | None:
-    """Where this thread stands in a ``torch.utils.checkpoint(use_reentrant=False)`` region, read
-    from the innermost saved-tensor hooks: ``(frame, index, recomputing)``, the region's
-    ``_CheckpointFrame``, the index of the next tensor saved in it (the first run appends a holder
-    per saved tensor, the recomputation counts them again in the same order) and whether this is
-    the recomputation; None outside such a region, or where other hooks are innermost."""
+def nonreentrant_checkpoint_region() -> tuple[object, Any] | None:
+    """The ``torch.utils.checkpoint(use_reentrant=False)`` region whose saved-tensor hooks are this
+    thread's innermost ones, and which run of it this is: ``(frame, run)``, the region's
+    ``_CheckpointFrame`` and :data:`FIRST_RUN`, or the backward pass (checkpoint's ``gid``) whose
+    recomputation this is. None outside such a region, where other hooks are innermost, or where
+    the hooks' closure no longer holds what it is read as."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
     if hooks is None:
         return None
@@ -112,28 +113,32 @@ def checkpoint_position() -> tuple[object, int, bool] | None:
         return None
     cells = dict(zip(pack.__code__.co_freevars, (c.cell_contents for c in pack.__closure__ or ())))
     if pack.__qualname__ == _CHECKPOINT_PACK:
-        frame = cells["frame"]
-        return frame, len(frame.weak_holders), False
-    if pack.__qualname__ == _RECOMPUTATION_PACK:
+        frame = cells.get("frame")
+        return None if frame is None else (frame, FIRST_RUN)
+    if pack.__qualname__ == _RECOMPUTATION_PACK and "target_frame_ref" in cells and "gid" in cells:
         frame = cells["target_frame_ref"]()
-        return None if frame is None else (frame, frame.recomp_counter[cells["gid"]], True)
+        return None if frame is None else (frame, cells["gid"])
     return None
 
 
-def reentrant_checkpoint_region(max_depth: int = 64) -> tuple[object, bool] | None:
-    """The ``torch.utils.checkpoint(use_reentrant=True)`` region this thread runs in, as its
-    autograd node, and whether this is its recomputation: the first run has grad off and
-    ``CheckpointFunction.forward`` among its callers (its ``ctx`` is the node); the recomputation
-    runs in that node's backward (``torch._C._current_autograd_node()``). None elsewhere."""
-    if torch.is_grad_enabled():
-        node = torch._C._current_autograd_node()
-        return (node, True) if type(node).__name__ == "CheckpointFunctionBackward" else None
+_REENTRANT_RUNS = {
+    torch.utils.checkpoint.CheckpointFunction.forward.__code__: False,
+    torch.utils.checkpoint.CheckpointFunction.backward.__code__: True,
+}
+
+
+def reentrant_checkpoint_region() -> tuple[object, Any] | None:
+    """The innermost ``torch.utils.checkpoint(use_reentrant=True)`` region on this thread's stack,
+    whatever the grad mode, and which run of it this is: ``(node, run)``, the region's autograd
+    node (the ``ctx`` of ``CheckpointFunction.forward``, its first run, and of its ``backward``,
+    the recomputation) and :data:`FIRST_RUN`, or the backward pass (its graph task id) that
+    recomputes. None elsewhere."""
     frame = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        if frame.f_code is _CHECKPOINT_FORWARD:
-            return frame.f_locals["ctx"], False
+    while frame is not None:
+        recomputing = _REENTRANT_RUNS.get(frame.f_code)
+        if recomputing is not None:
+            ctx = frame.f_locals.get("ctx")
+            return None if ctx is None else (ctx, current_graph_task_id() if recomputing else FIRST_RUN)
         frame = frame.f_back
     return None
 

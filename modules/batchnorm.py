@@ -310,7 +310,8 @@ class SyncBatchNorm(_BatchNorm):
         device = weight.device if weight is not None else input.device
         label = handle.round.layer if handle is not None else self._label()  # the round made it already
         sync = Synchronizer.for_call(handle, group, self._process_sync, label, self.num_features, device)
-        sync.given = checkpointing.recall(where)
+        call = checkpointing.signature(self, input)
+        sync.given = checkpointing.recall(where, call)
         try:
             self._check_input(input, z)
             check_not_captured(input, label)
@@ -318,7 +319,7 @@ class SyncBatchNorm(_BatchNorm):
         except BaseException as error:
             sync.fail(error)
             raise
-        checkpointing.remember(where, sync.statistics())
+        checkpointing.remember(where, call, sync.statistics())
         return y
 
     def _forward_traced(self, input: Tensor, z: Tensor | None, group: Any) -> Tensor:

@@ -126,50 +126,63 @@ def test_checkpoint_stops_its_recomputation_with_the_error_we_recognise() -> Non
     assert not torch_internals.is_checkpoint_stop(RuntimeError("other"))
 
 
-def test_a_checkpoint_region_says_where_each_saved_tensor_goes() -> None:
-    # the first run and the recomputation (twice: retain_graph) name the same frame and the same
-    # index before each call that saves; other saved-tensor hooks, or none, give None
-    positions: list = []
+def test_a_nonreentrant_checkpoint_region_is_its_frame_in_every_run() -> None:
+    # the first run and each recomputation (twice: retain_graph) name the same frame, with the
+    # run (the first, or the backward pass that recomputes), under no_grad too; other
+    # saved-tensor hooks, or none, give None
+    regions: list = []
 
     def region(x: torch.Tensor) -> torch.Tensor:
-        for _ in range(3):
-            positions.append(torch_internals.checkpoint_position())
-            x = x.sin()  # saves one tensor
-        return x
+        regions.append(torch_internals.nonreentrant_checkpoint_region())
+        with torch.no_grad():
+            regions.append(torch_internals.nonreentrant_checkpoint_region())
+        return x.sin()
 
-    assert torch_internals.checkpoint_position() is None
+    assert torch_internals.nonreentrant_checkpoint_region() is None
     x = torch.randn(4, requires_grad=True)
     y = checkpoint(region, x, use_reentrant=False)
     y.sum().backward(retain_graph=True)
     y.sum().backward()
-    frame = positions[0][0]
-    assert [(p[0] is frame, p[1], p[2]) for p in positions] == [(True, i, r) for r in (False, True, True) for i in range(3)]
+    frame = regions[0][0]
+    assert all(found[0] is frame for found in regions)
+    runs = [found[1] for found in regions]
+    assert runs[:2] == [torch_internals.FIRST_RUN] * 2
+    assert runs[2] == runs[3] != runs[4] == runs[5] and torch_internals.FIRST_RUN not in runs[2:]
     with torch.autograd.graph.save_on_cpu():
-        assert torch_internals.checkpoint_position() is None
-    positions.clear()
+        assert torch_internals.nonreentrant_checkpoint_region() is None
+    regions.clear()
     checkpoint(region, x, use_reentrant=True).sum().backward()  # reentrant: no saved-tensor hooks
-    assert positions == [None] * 6
+    assert regions == [None] * 4
 
 
 def test_a_reentrant_checkpoint_region_is_its_node_in_both_runs() -> None:
-    # the first run (grad off, CheckpointFunction.forward among the callers) names its ctx, the
-    # recomputation (in the node's backward) the node: the same object; elsewhere None
+    # the first run (CheckpointFunction.forward among the callers) and the recomputation (its
+    # backward) name the node, whatever the grad mode, with the run: the first, or the backward
+    # pass; the innermost of nested regions; elsewhere None
     regions: list = []
 
     def region(x: torch.Tensor) -> torch.Tensor:
         regions.append(torch_internals.reentrant_checkpoint_region())
+        with torch.no_grad():
+            regions.append(torch_internals.reentrant_checkpoint_region())
         return x.sin()
 
     x = torch.randn(4, requires_grad=True)
     y = checkpoint(region, x, use_reentrant=True)
     assert type(y.grad_fn).__name__ == "CheckpointFunctionBackward"
     y.sum().backward()
-    assert regions == [(y.grad_fn, False), (y.grad_fn, True)]
+    first, recomputation = torch_internals.FIRST_RUN, regions[2][1]
+    assert regions == [(y.grad_fn, first)] * 2 + [(y.grad_fn, recomputation)] * 2
+    assert isinstance(recomputation, int) and recomputation != -1
+    regions.clear()
+    outer = checkpoint(lambda x: checkpoint(region, x, use_reentrant=True), x, use_reentrant=True)
+    inner_node = regions[0][0]
+    assert inner_node is not outer.grad_fn and type(inner_node).__name__ == "CheckpointFunctionBackward"
     regions.clear()
     checkpoint(region, x, use_reentrant=False).sum().backward()
     with torch.no_grad():
         region(x)
-    assert regions == [None] * 3
+    assert regions == [None] * 6
 
 
 def test_apply_without_binding_gives_what_apply_gives() -> None:
