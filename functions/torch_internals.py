@@ -25,18 +25,33 @@ _BASE_APPLY = vars(torch._C._FunctionBase)["apply"]
 
 
 def torch_replicate_call(max_depth: int = 8) -> tuple[int | None, nn.Module | None]:
-    """``(j, network)`` of torch's ``replicate(network, ...)`` when it is the caller (a few frames
+    """``(j, root)`` of torch's ``replicate(network, ...)`` when it is the caller (a few frames
     up, through ``_replicate_for_data_parallel`` overrides): the replica index of its loop and
-    the root module it replicates; else ``(None, None)``. torch says neither to the replicas."""
+    replica ``j`` of the root module (made before any other module's), or None where the module
+    being replicated is the root itself; else ``(None, None)``. torch says neither to the replicas."""
     frame = sys._getframe(1)
     for _ in range(max_depth):
         if frame is None:
             break
         if frame.f_code is _REPLICATE_CODE:
-            j, network = frame.f_locals.get("j"), frame.f_locals.get("network")
-            return (j if isinstance(j, int) else None), (network if isinstance(network, nn.Module) else None)
+            j, copies = frame.f_locals.get("j"), frame.f_locals.get("module_copies")
+            if not isinstance(j, int):
+                return None, None
+            made = copies[j] if isinstance(copies, list) and j < len(copies) else None
+            root = made[0] if isinstance(made, list) and made and isinstance(made[0], nn.Module) else None
+            return j, root
         frame = frame.f_back
     return None, None
+
+
+def own_forward_hooks(replica: nn.Module) -> None:
+    """Give ``replica`` forward-hook dicts of its own: ``_replicate_for_data_parallel`` copies a
+    module's ``__dict__`` shallowly, so a replica shares its original's, and a hook registered
+    on the replica would stay on the user's module."""
+    for name in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+        hooks = replica.__dict__.get(name)
+        if hooks is not None:
+            replica.__dict__[name] = type(hooks)(hooks)
 
 
 _DATA_PARALLEL_FORWARD = nn.DataParallel.forward.__code__

@@ -379,14 +379,32 @@ def test_stock_replica_success_leaves_the_rounds_alone() -> None:
     with torch.no_grad():
         torch.testing.assert_close(torch.cat(outputs), ref(x), atol=1e-12, rtol=1e-12)
     assert_buffers_equal(buffers_of(ours[0]), buffers_of(ref))
-    # one hook, however many steps; the model still copies, pickles and loads as before
+    # the hook is the replicas' alone; the model still copies, pickles and loads as before
     forward_replicas(ours, x, 2)
-    assert sum(h is replicas._break_rounds_if_raised for h in ours._forward_hooks.values()) == 1
+    assert not ours._forward_hooks and not ours._forward_hooks_always_called
     buffer = io.BytesIO()
     torch.save(copy.deepcopy(ours), buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     assert loaded.state_dict().keys() == ours.state_dict().keys()
+
+
+@pytest.mark.parametrize("wrapper", ["stock", "threaded"])
+def test_a_replicated_model_reverts_to_exactly_torch_own(wrapper: str) -> None:
+    # after a step through torch's replicate() (stock nn.DataParallel) or ours, the user's model
+    # holds nothing of ours: reverted, it scripts, and its pickle never names our package
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), NN.BatchNorm2d(3), nn.ReLU(), NN.BatchNorm2d(3)).double()
+    x = torch.randn(4, 3, 2, 2, dtype=torch.float64)
+    if wrapper == "stock":
+        forward_replicas(model, x, 2)
+    else:
+        ThreadedDataParallel(model, ["cpu"] * 2)(x).sum().backward()
+    reverted = NN.revert_sync_batchnorm(model)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in reverted.modules())
+    torch.jit.script(reverted)
+    buffer = io.BytesIO()
+    torch.save(reverted, buffer)
+    assert b"syncbn" not in buffer.getvalue()
 
 
 def test_replicas_disagreeing_on_dtype() -> None:

@@ -239,7 +239,7 @@ class RoundTracker:
         position = REPLICATING.index
         if position is None:
             position, root = torch_replicate_call()
-            if position == 0 and root is not None:
+            if root is not None:
                 release_rounds_on_failure(root)
         with self._lock:
             if self._starts_round(position):
@@ -302,16 +302,17 @@ def warn_if_data_parallel_meets_no_one() -> None:
         )
 
 
-def release_rounds_on_failure(root: nn.Module) -> None:
-    """Make every replica of ``root`` (a module that torch's ``replicate()`` replicates, as stock
-    ``nn.DataParallel`` does) break the rounds of its synchronized layers when its forward
-    raises, wherever it raised: the replicas waiting at a meeting of that step are released at
-    once (a :class:`ReplicaSyncError` naming the failed replica and its error) instead of after
-    their timeout. One forward hook, ``always_call=True``, on ``root``, whose replicas share it
-    (``replicate()`` copies a module's ``__dict__`` shallowly), and which a deep copy or a
-    pickle of ``root`` keeps; registered once per root."""
-    if not torch_internals.has_forward_hook(root, _break_rounds_if_raised):
-        root.register_forward_hook(_break_rounds_if_raised, always_call=True)
+def release_rounds_on_failure(replica: nn.Module) -> None:
+    """Make ``replica`` (a root replica that torch's ``replicate()`` made, as stock
+    ``nn.DataParallel`` does each step) break the rounds of its synchronized layers when its
+    forward raises, wherever it raised: the replicas waiting at a meeting of that step are
+    released at once (a :class:`ReplicaSyncError` naming the failed replica and its error)
+    instead of after their timeout. One forward hook, ``always_call=True``, on the replica alone
+    (its hook dicts made its own first): the user's module, from which the replicas are copied,
+    carries nothing of ours. Registered once per replica."""
+    if not torch_internals.has_forward_hook(replica, _break_rounds_if_raised):
+        torch_internals.own_forward_hooks(replica)
+        replica.register_forward_hook(_break_rounds_if_raised, always_call=True)
 
 
 def _break_rounds_if_raised(replica: nn.Module, args: Any, result: Any) -> None:
