@@ -50,11 +50,14 @@ _LOCK = threading.Lock()  # replicas on other threads keep theirs in their own r
 
 class Place(NamedTuple):
     """A call's place in a checkpointed region: the region (its frame or node), the call's number
-    among the synchronized calls of this run of it, and whether this run is the recomputation."""
+    among the synchronized calls of this run of it, whether this run is the recomputation, and
+    whether the region is reentrant (whose recomputation makes the nodes that its backward runs;
+    a non-reentrant one's are dropped)."""
 
     region: object
     index: int
     recomputing: bool
+    reentrant: bool
 
 
 def place() -> Place | None:
@@ -62,14 +65,16 @@ def place() -> Place | None:
     synchronized call of a run is numbered, whatever it saves and whatever the grad mode, in the
     order the region makes them, which its recomputation repeats: a recomputation of a
     ``retain_graph`` backward numbers its calls again."""
-    found = torch_internals.nonreentrant_checkpoint_region() or torch_internals.reentrant_checkpoint_region()
+    found, reentrant = torch_internals.nonreentrant_checkpoint_region(), False
+    if found is None:
+        found, reentrant = torch_internals.reentrant_checkpoint_region(), True
     if found is None:
         return None
     region, run = found
     with _LOCK:
         calls = _CALLS.setdefault(region, {})
         index = calls[run] = calls.get(run, -1) + 1
-    return Place(region, index, run != torch_internals.FIRST_RUN)
+    return Place(region, index, run != torch_internals.FIRST_RUN, reentrant)
 
 
 def signature(layer: object, input: Tensor) -> Signature:

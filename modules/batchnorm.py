@@ -312,6 +312,9 @@ class SyncBatchNorm(_BatchNorm):
         sync = Synchronizer.for_call(handle, group, self._process_sync, label, self.num_features, device)
         call = checkpointing.signature(self, input)
         sync.given = checkpointing.recall(where, call)
+        recomputing = where is not None and where.recomputing
+        # a reentrant recomputation's later calls, not yet made here, are what the others wait in
+        sync.reports_backward_failures = not (recomputing and where.reentrant)
         try:
             self._check_input(input, z)
             check_not_captured(input, label)
@@ -320,6 +323,8 @@ class SyncBatchNorm(_BatchNorm):
             sync.fail(error)
             raise
         checkpointing.remember(where, call, sync.statistics())
+        if y.requires_grad and not (recomputing and not where.reentrant):  # a non-reentrant recomputation's nodes are dropped
+            sync.owe_backward()
         return y
 
     def _forward_traced(self, input: Tensor, z: Tensor | None, group: Any) -> Tensor:

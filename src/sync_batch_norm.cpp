@@ -282,6 +282,19 @@ class Ranks {
   }
   explicit operator bool() const { return sync_ != nullptr; }
 
+  // This process failed in a backward pass: Synchronizer.fail_backward tells the other ranks
+  // through the backward collective they wait in. Its own failure is reported, not raised: the
+  // error that caused it is the one the caller re-raises.
+  void fail_backward() const {
+    pybind11::gil_scoped_acquire gil;
+    pybind11::error_scope raised;  // the error being handled may still be Python's current one
+    try {
+      python().attr("fail_backward")();
+    } catch (pybind11::error_already_set& error) {
+      error.discard_as_unraisable("syncbn: telling the other ranks of a failed backward pass");
+    }
+  }
+
   // The global count of the forward that merged, as the Python path's Synchronizer.count holds
   // it: an int, or the device total where the checks are deferred; `process` without ranks.
   pybind11::object count(int64_t process) const {
@@ -627,6 +640,15 @@ struct SyncBatchNormBackward : public torch::autograd::Node {
   }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    try {
+      return apply_as_replica(grads);
+    } catch (...) {  // the other ranks wait in a backward collective: told there, then this error
+      if (ranks && *ranks) ranks->fail_backward();
+      throw;
+    }
+  }
+
+  torch::autograd::variable_list apply_as_replica(const torch::autograd::variable_list& grads) {
     try {
       return as_replica(round.get(), index, [&] { return backward(grads); });
     } catch (const RoundBroken& broken) {

@@ -24,6 +24,7 @@ never arrives is covered by the collective's own timeout (``init_process_group(t
 """
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -40,6 +41,9 @@ LAYER, NUMBER, DTYPE, FAILED, NDIM, SHAPE = range(6)  # the header's columns: th
 HEADER_SIZE = SHAPE + SHAPE_DIMS + 1  # and the count
 IDENTITY_SIZE = 4  # the backward row's [id, id^2, n, n^2]
 LAYER_ID_RANGE = 2**20  # ids and call numbers below 2**20: their squares sum exactly in float64
+FAILED_IDENTITY = -(2.0**40)
+"""The layer id and call number that a rank which failed in a backward pass sends: below any sum
+of real ones (whose total stays above -2**40 + world * 2**20), so the sum says how many failed."""
 _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -225,15 +229,30 @@ def report_failure(call: ProcessGroupCall, channels: int, device: torch.device) 
 
 def _explain_backward(call: ProcessGroupCall, world: int, identity_sums: list[float]) -> BaseException | None:
     """The error that the summed identities ``[id, id^2, n, n^2]`` (read on the host) stand for:
-    the ranks' layer ids, or their call numbers, differ iff world * sum(v^2) != sum(v)^2
-    (Cauchy-Schwarz; exact in float64 below 2**20), or None."""
+    ranks that failed in this backward pass (:func:`report_backward_failure`), or the ranks' layer
+    ids, or their call numbers, differ iff world * sum(v^2) != sum(v)^2 (Cauchy-Schwarz; exact in
+    float64 below 2**20); or None."""
     ids, id_squares, numbers, number_squares = identity_sums
+    if ids < 0:
+        failed = math.ceil(ids / FAILED_IDENTITY)
+        return RuntimeError(
+            f"{call.layer}: {failed} rank(s) of the process group failed in this backward pass "
+            "(their own error says why)"
+        )
     if world * id_squares == ids**2 and world * number_squares == numbers**2:
         return None
     return RuntimeError(
         f"{call.layer}: ranks are at the backward of different synchronized calls (this rank: "
         f"call {call.number}). Every rank must run the backward of the same layers in the same order."
     )
+
+
+def report_backward_failure(call: ProcessGroupCall, channels: int, device: torch.device) -> None:
+    """Join the backward's all_reduce of ``call`` (the one the other ranks wait in) with the
+    failed identity, after an error in this rank's backward pass, so that they raise at once."""
+    zeros = torch.zeros(channels, dtype=torch.float64, device=device)
+    failed = FAILED_IDENTITY
+    all_reduce_row(OVERLOADS.pack_row([failed, failed**2, failed, failed**2], zeros, zeros), call)
 
 
 def all_reduce_sums(sum_dy: Tensor, sum_dy_xmu: Tensor, call: ProcessGroupCall) -> tuple[Tensor, Tensor]:

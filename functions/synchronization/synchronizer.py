@@ -36,11 +36,17 @@ each replica's stream, and the CPU kernels use every core themselves.
 Whoever catches an error during the call hands it to :meth:`Synchronizer.fail`: the other
 replicas of the round are released at once (they raise instead of waiting), and a process master
 that has not yet joined the forward's collective joins it with a failed flag, so that the other
-ranks raise too rather than wait for the collective's timeout.
+ranks raise too rather than wait for the collective's timeout. An error in a backward pass (a
+synchronized backward, or a checkpoint's recomputation that reuses its statistics and so joins no
+forward collective) is told to the other ranks in the collective they wait in: the backward
+all_reduce of the latest call whose backward this process still owes (:class:`OwedBackwards`),
+joined once per backward pass with the failed identity.
 """
 from __future__ import annotations
 
 import dataclasses
+import threading
+import weakref
 from typing import Any, Callable, Sequence, TypeVar
 
 import torch
@@ -49,7 +55,9 @@ from torch import Tensor
 from . import checks, distributed
 from .. import devices, stats, torch_internals
 from ..operators import reference
-from .distributed import ProcessGroupCall, ProcessGroupSync, all_gather_stats, all_reduce_sums, report_failure
+from .distributed import (
+    ProcessGroupCall, ProcessGroupSync, all_gather_stats, all_reduce_sums, report_backward_failure, report_failure,
+)
 from .replicas import ReplicaCall, ReplicaHandle
 from ..stats import LocalStats, Running, update_running_stats
 
@@ -78,6 +86,10 @@ class Synchronizer:
         self.channels, self.device = channels, device
         self.count: int | Tensor | None = None
         self._joined_collective = False
+        self._joined_backward = False
+        self.reports_backward_failures = True
+        """Whether a failure of this call in a backward pass joins the owed backward collective; not
+        in a reentrant checkpoint's recomputation, whose later calls the others wait in."""
         self.native: tuple | None = None  # the native path's process master: distributed.native_ranks
         self.normalization: tuple[Tensor, Tensor] | None = None
         """This replica's (mean, invstd) once the forward has made them."""
@@ -157,6 +169,7 @@ class Synchronizer:
         (one all_reduce of both as one row), or themselves without a process group."""
         if self.process_call is None:
             return sum_dy, sum_dy_xmu
+        self._joined_backward = True
         return all_reduce_sums(sum_dy, sum_dy_xmu, self.process_call)
 
     def gather_rows(self, row: Tensor) -> Tensor:
@@ -180,6 +193,7 @@ class Synchronizer:
 
     def reduce_row(self, row: Tensor) -> None:
         """The native path's all_reduce of its backward ``row``, in place."""
+        self._joined_backward = True
         distributed.all_reduce_row(row, self.process_call)
 
     def judge_summed(self, row: Tensor) -> None:
@@ -212,17 +226,75 @@ class Synchronizer:
         self.count, mean, var = all_gather_stats(local, self.process_call, running)
         return mean, var
 
+    def owe_backward(self) -> None:
+        """This call's forward made a backward node that will meet the ranks: where a backward pass
+        fails before it, the failure is told through its collective (:meth:`fail_backward`)."""
+        if self.process_call is not None:
+            OWED.add(self)
+
     def fail(self, error: BaseException) -> None:
-        """This replica failed during the call: release the other replicas of its round, and,
-        where this process has not joined the forward's collective yet, tell the other ranks.
-        Checkpoint's stop of a recomputation is control flow, not a failure."""
+        """This replica failed during the call: release the other replicas of its round, and tell
+        the other ranks through the collective they wait in: the forward's, where this process
+        has not joined it yet, else, in a backward pass, the owed backward's. Checkpoint's stop
+        of a recomputation is control flow, not a failure."""
         if torch_internals.is_checkpoint_stop(error):
             return
         if self.replica_call is not None:
             self.replica_call.round.abort(error, self.replica_call.index)
-        if self.process_call is not None and not self._joined_collective and isinstance(error, Exception):
+        if self.process_call is None or not isinstance(error, Exception):
+            return
+        if not self._joined_collective and self.given is None:
             self._joined_collective = True
             report_failure(self.process_call, self.channels, self.device)
+        elif self.reports_backward_failures:
+            self.fail_backward()
+
+    def fail_backward(self) -> None:
+        """This process failed in a backward pass: the other ranks raise at the next backward
+        collective they wait in, told once per backward pass (the native backward calls this)."""
+        if self.process_call is not None and torch_internals.in_backward_pass():
+            OWED.report_failure()
+
+
+class OwedBackwards:
+    """The synchronized calls of this process whose backward collective is still owed (their node
+    alive, their all_reduce not joined), in the order of their forwards; the autograd engine runs
+    a graph's nodes in reverse order of their making, so the other ranks meet the latest next."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: list[weakref.ref[Synchronizer]] = []
+        self._prune_at = 64
+        self._reported_pass = -1
+
+    def add(self, sync: Synchronizer) -> None:
+        with self._lock:
+            self._calls.append(weakref.ref(sync))
+            if len(self._calls) >= self._prune_at:
+                self._calls = [ref for ref in self._calls if _owes(ref())]
+                self._prune_at = 2 * len(self._calls) + 64
+
+    def report_failure(self) -> None:
+        """Join the latest owed backward collective with the failed identity, once per pass."""
+        backward_pass = torch_internals.current_graph_task_id()
+        with self._lock:
+            if backward_pass == self._reported_pass:
+                return
+            self._reported_pass = backward_pass
+            while self._calls and not _owes(self._calls[-1]()):
+                self._calls.pop()
+            sync = self._calls.pop()() if self._calls else None
+        if sync is not None and sync.process_call is not None:
+            sync._joined_backward = True
+            report_backward_failure(sync.process_call, sync.channels, sync.device)
+
+
+def _owes(sync: Synchronizer | None) -> bool:
+    return sync is not None and not sync._joined_backward
+
+
+OWED = OwedBackwards()
+"""This process's owed backward collectives."""
 
 
 def check_not_captured(input: Tensor, layer: str) -> None:
