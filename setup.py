@@ -54,6 +54,22 @@ def say(message: str) -> None:
     print(f"syncbn: {message}", file=sys.stderr, flush=True)
 
 
+GENERATED = os.path.join(ROOT, "build", "generated")
+
+
+def write_build_identity() -> str:
+    """``build/generated/built_with.h``: the torch the extensions are built against (version, git
+    revision, C++ ABI), which the import compares with the torch it runs with; its include dir."""
+    identity = f"{torch.__version__} ({torch.version.git_version}, cxx11abi={int(torch._C._GLIBCXX_USE_CXX11_ABI)})"
+    os.makedirs(GENERATED, exist_ok=True)
+    path = os.path.join(GENERATED, "built_with.h")
+    text = f'#pragma once\n// written by setup.py\n#define SYNCBN_BUILT_WITH_TORCH "{identity}"\n'
+    if not os.path.exists(path) or open(path).read() != text:  # unchanged: no rebuild
+        with open(path, "w") as f:
+            f.write(text)
+    return GENERATED
+
+
 def sources(*patterns: str) -> list[str]:
     """Source files relative to the repo (setuptools wants relative paths)."""
     return sorted(os.path.relpath(p, ROOT) for pattern in patterns for p in glob.glob(os.path.join(ROOT, pattern)))
@@ -84,7 +100,7 @@ def cpu_extension(capability: str) -> cpp_extension.CppExtension:
         name=f"syncbn.functions._C_{capability.lower()}",
         sources=sources("src/bindings.cpp", "src/train_forward.cpp", "src/sync_batch_norm.cpp",
                         "src/object_exchange.cpp", "src/torch_cuda_ops.cpp", "src/cpu/*.cpp"),
-        include_dirs=[os.path.join(ROOT, "src")],
+        include_dirs=[os.path.join(ROOT, "src"), write_build_identity()],
         extra_compile_args={"cxx": flags},
         extra_link_args=[*openmp_flags(), *cxx_runtime_link_args()],
     )
@@ -120,7 +136,7 @@ def cuda_extensions() -> list[cpp_extension.CUDAExtension]:
     ext = cpp_extension.CUDAExtension(
         name=CUDA_EXTENSION,
         sources=sources("src/cuda/*.cu", "src/cuda/bindings.cpp", "src/train_forward.cpp"),
-        include_dirs=[os.path.join(ROOT, "src")],
+        include_dirs=[os.path.join(ROOT, "src"), write_build_identity()],
         extra_compile_args={"cxx": ["-O3", "-g0"], "nvcc": ["-O3"]},
         extra_link_args=cxx_runtime_link_args(),
     )

@@ -76,6 +76,12 @@ def has_forward_hook(module: nn.Module, hook: Callable) -> bool:
     return any(registered is hook for registered in module._forward_hooks.values())
 
 
+def torch_build_identity() -> str:
+    """The running torch as an extension built against it records it (setup.py,
+    ``write_build_identity``): version, git revision and C++ ABI (``torch._C``'s flag)."""
+    return f"{torch.__version__} ({torch.version.git_version}, cxx11abi={int(torch._C._GLIBCXX_USE_CXX11_ABI)})"
+
+
 def current_graph_task_id() -> int:
     """The running backward pass's id on this thread, -1 outside one."""
     return torch._C._current_graph_task_id()

@@ -7,6 +7,8 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include "built_with.h"
+
 #include <memory>
 #ifdef _OPENMP
 #include <omp.h>
@@ -42,6 +44,7 @@ int set_thread_intra_op_threads(int threads) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "CPU kernels of the synchronized batch norm, registered as torch.ops.syncbn.* for CPU tensors";
   m.attr("capability") = syncbn::cpu::capability();
+  m.attr("built_with_torch") = SYNCBN_BUILT_WITH_TORCH;  // checked at import against the running torch
   syncbn::bind_sync_batch_norm(m);
   m.def("set_cpu_kernels", &syncbn::set_cpu_kernels,
         "Register (True) or unregister (False) the CPU kernels (src/cpu) as the CPU kernels of torch.ops.syncbn");

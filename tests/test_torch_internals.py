@@ -247,3 +247,20 @@ def test_the_native_meetings_find_the_backward_pass_they_wait_in(retain_graph: b
     assert backend.NATIVE_ROUNDS.current_backward_pass() is None
     Probe.apply(torch.ones(2, requires_grad=True)).sum().backward(retain_graph=retain_graph)
     assert seen == [(False, retain_graph)]
+
+
+def test_the_extension_records_the_torch_it_was_built_against() -> None:
+    # the build records the torch it compiled against; the import compares it with the running one
+    from types import SimpleNamespace
+
+    from syncbn.functions.operators import backend
+
+    if backend.EXTENSION is None:
+        pytest.skip("the compiled extension is not built")
+    assert backend.EXTENSION.built_with_torch == torch_internals.torch_build_identity()
+    assert torch.__version__ in torch_internals.torch_build_identity()
+    other = SimpleNamespace(__name__="syncbn.functions._C_fake", built_with_torch="2.0.0 (0000, cxx11abi=0)")
+    with pytest.raises(ImportError, match=r"built against torch 2\.0\.0 .* but this is torch .* rebuild it"):
+        backend.check_built_with_this_torch(other)
+    with pytest.raises(ImportError, match="unknown version"):
+        backend.check_built_with_this_torch(SimpleNamespace(__name__="old"))

@@ -29,6 +29,7 @@ from types import ModuleType
 
 import torch
 
+from .. import torch_internals
 from . import ops  # noqa: F401  (the operators' schemas, before any kernel is registered for them)
 
 EXTENSIONS_PACKAGE = __package__.rpartition(".")[0]
@@ -62,14 +63,29 @@ def extension_files(name: str) -> list[str]:
 
 def import_extension(name: str) -> tuple[ModuleType | None, str]:
     """``functions.<name>``, or None and why: not built, or built but failing to load (an ABI
-    mismatch after a torch upgrade, a missing instruction set or library)."""
+    mismatch after a torch upgrade, a missing instruction set or library). One that loads but
+    was built against another torch is refused (:func:`check_built_with_this_torch`)."""
     files = extension_files(name)
     try:
-        return importlib.import_module(f"{EXTENSIONS_PACKAGE}.{name}"), ""
+        module = importlib.import_module(f"{EXTENSIONS_PACKAGE}.{name}")
     except ImportError as error:
         if not files:
             return None, f"{name} is not built"
         return None, f"{files[0]} failed to load: {error}"
+    check_built_with_this_torch(module)
+    return module, ""
+
+
+def check_built_with_this_torch(module: ModuleType) -> None:
+    """Raise where ``module`` was built against another torch than the running one: its kernels
+    and its readings of torch's private state hold for the torch they were compiled with."""
+    built = getattr(module, "built_with_torch", None)
+    running = torch_internals.torch_build_identity()
+    if built != running:
+        raise ImportError(
+            f"syncbn: the compiled extension {module.__name__} was built against torch {built or 'of an unknown version'}, "
+            f"but this is torch {running}: rebuild it against this torch: {BUILD_HINT}"
+        )
 
 
 def load_extension() -> ModuleType | None:

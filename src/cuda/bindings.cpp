@@ -4,6 +4,8 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include "built_with.h"
+
 #include "batch_norm_cuda.h"
 
 namespace {
@@ -16,6 +18,7 @@ void set_kernels(bool on) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "CUDA kernels of the synchronized batch norm, registered as torch.ops.syncbn.* for CUDA tensors";
+  m.attr("built_with_torch") = SYNCBN_BUILT_WITH_TORCH;  // checked at import against the running torch
   m.def("set_kernels", &set_kernels,
         "Register (True) or unregister (False) these kernels as the CUDA kernels of torch.ops.syncbn");
 }
