@@ -22,10 +22,11 @@ def test_the_installed_torch_is_one_the_internals_were_checked_against() -> None
 
 
 def test_replicate_still_has_the_locals_that_round_detection_reads() -> None:
-    # replicate()'s `j` (the replica index of its loop over devices) and `network` (the root): a
-    # torch that renamed `j` would make every round start by membership alone, one that renamed
-    # `network` would leave a failed replica's mates waiting for their timeout
-    assert {"j", "network"} <= set(replicate.__code__.co_varnames)
+    # replicate()'s `j` (the replica index of its loop over devices) and `module_copies` (each
+    # replica's modules, the root's first): a torch that renamed `j` would make every round start
+    # by membership alone, one that renamed `module_copies` would leave a failed replica's mates
+    # waiting for their timeout
+    assert {"j", "module_copies"} <= {*replicate.__code__.co_varnames, *replicate.__code__.co_cellvars}
     calls: list = []
 
     class Probe(nn.Module):
@@ -34,9 +35,23 @@ def test_replicate_still_has_the_locals_that_round_detection_reads() -> None:
             return super()._replicate_for_data_parallel()
 
     root = nn.Sequential(Probe(), nn.Linear(2, 2))
-    stock_replicas(root, 3)
-    assert calls == [(0, root), (1, root), (2, root)]
+    replicas = stock_replicas(root, 3)
+    assert [j for j, _ in calls] == [0, 1, 2]
+    assert all(found is replica for (_, found), replica in zip(calls, replicas))
+    calls.clear()
+    stock_replicas(Probe(), 2)  # the root itself: no replica of it made before
+    assert calls == [(0, None), (1, None)]
     assert torch_internals.torch_replicate_call() == (None, None)  # not called from replicate()
+
+
+def test_a_replica_gets_forward_hooks_of_its_own() -> None:
+    # a replica shares its original's hook dicts (a shallow copy of __dict__) until it owns them
+    root = nn.Linear(2, 2)
+    replica = root._replicate_for_data_parallel()
+    assert replica._forward_hooks is root._forward_hooks
+    torch_internals.own_forward_hooks(replica)
+    replica.register_forward_hook(lambda *args: None, always_call=True)
+    assert len(replica._forward_hooks) == 1 and not root._forward_hooks and not root._forward_hooks_always_called
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="nn.DataParallel has devices where CUDA is visible")
