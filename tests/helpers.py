@@ -154,29 +154,32 @@ def split_batch(x: Tensor, count: int) -> list[Tensor]:
     return list(x.chunk(count))
 
 
-def share_of_a_counting_thread(call) -> float:
-    """How much of its own pace a Python thread that only counts keeps while ``call()`` runs on
-    this thread: near 1 when ``call`` releases the GIL, near 0 when it holds it (the counter
-    then gets at most a switch interval, 5 ms, before and after it)."""
-    progress, done = [0], threading.Event()
+def another_thread_runs_during(call: Callable[[], object]) -> bool:
+    """Whether another Python thread runs while ``call()`` runs on this thread, judged without
+    timing, so that no load on the machine changes the answer: with a switch interval far longer
+    than the test, a thread that holds the GIL is never asked to hand it over, so a thread woken
+    just before ``call()`` runs before it returns only where ``call`` releases the GIL (``call``
+    must last long enough for the woken thread to be scheduled: a few milliseconds)."""
+    state: dict[str, bool | None] = {"running": False, "seen": None}
+    woken = threading.Event()
 
-    def count() -> None:
-        while not done.is_set():
-            progress[0] += 1
+    def watch() -> None:
+        woken.wait()  # waits without the GIL
+        state["seen"] = state["running"]
 
-    counter = threading.Thread(target=count)
-    counter.start()
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
     try:
-        before = progress[0]
-        time.sleep(0.05)  # releases the GIL: the counter's pace alone
-        pace = (progress[0] - before) / 0.05
-        before, start = progress[0], time.perf_counter()
+        state["running"] = True
+        woken.set()
         call()
-        elapsed, during = time.perf_counter() - start, progress[0] - before
+        state["running"] = False
     finally:
-        done.set()
-        counter.join()
-    return during / (pace * elapsed)
+        sys.setswitchinterval(interval)
+        watcher.join()
+    return bool(state["seen"])
 
 
 def count_exchanges(monkeypatch) -> list[tuple[str, int]]:
