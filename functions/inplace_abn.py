@@ -21,7 +21,6 @@ doing every replica's work: :meth:`~functions.synchronization.synchronizer.Synch
 """
 from __future__ import annotations
 
-import sys
 from typing import NamedTuple
 
 import torch
@@ -114,7 +113,7 @@ class InPlaceABNFunction(Function):
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):  # type: ignore[override]
-        ctx.grad_is_ours = _held_by_this_backward_alone(grad_output)  # first: it counts references
+        ctx.grad_is_ours = torch_internals.held_by_this_backward_alone(grad_output)  # first: it counts references
         try:
             if torch.is_grad_enabled():
                 raise RuntimeError(
@@ -142,51 +141,6 @@ class InPlaceABNFunction(Function):
         part = _BackwardPart(y, dy, invstd, weight, bias, wants, stream, dy_is_ours)
         work = lambda parts: _backward_every_replica(parts, ctx.act, ctx.batch_stats, sync)  # noqa: E731
         return work([part])[0] if sync is None else sync.on_master("backward", part, work)
-
-
-_SOLE_REFERENCES: list[int] = []
-"""How many Python references a backward's gradient has, seen as its first statement sees them,
-where nothing else holds it (measured once, :func:`_sole_references`)."""
-
-
-class _ReferenceProbe(Function):
-    """A Function whose backward sees a gradient that nothing else holds (a multiplication's)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor) -> Tensor:  # type: ignore[override]
-        _held_by_this_backward_alone(grad_output, probing=True)
-        return grad_output
-
-
-def _sole_references() -> int:
-    if not _SOLE_REFERENCES:
-        with torch.enable_grad():
-            x = torch.zeros(2, requires_grad=True)
-            (_ReferenceProbe.apply(x * 1.0) * 3.0).sum().backward()
-    return _SOLE_REFERENCES[0]
-
-
-def _held_by_this_backward_alone(grad: Tensor, probing: bool = False) -> bool:
-    """Whether the engine handed this backward a gradient that nothing else holds or shares
-    (no hook or user kept it, no ``.grad`` holds it, no view, its storage its own), so that the
-    input gradient may be written over it; never under torch.compile or torch.func (no eager
-    references to count there)."""
-    if torch.compiler.is_compiling() or torch_internals.functorch_transforms_active():
-        return False
-    references = sys.getrefcount(grad)  # the probe's backward calls this as ours does
-    if probing:
-        _SOLE_REFERENCES.append(references)
-        return False
-    use_count, storage_use_count = getattr(grad, "_use_count", None), getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None or storage_use_count is None:  # a torch without them: never write over dy
-        return False
-    if grad._is_view() or use_count() != 1 or storage_use_count(grad.untyped_storage()._cdata) != 2:
-        return False  # the storage's count includes the untyped_storage() just made
-    return references <= _sole_references()
 
 
 def _fixed_normalization(running_mean: Tensor, running_var: Tensor, eps: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -309,7 +263,7 @@ def inplace_abn(
     if not training and (running_mean is None or running_var is None):
         raise ValueError(f"{layer}: fixed statistics (training=False) need running_mean and running_var")
     if not (torch.compiler.is_compiling() or torch_internals.functorch_transforms_active() or torch.is_inference_mode_enabled()):
-        _sole_references()  # measured once, here rather than inside a backward
+        torch_internals.sole_references()  # measured once, here rather than inside a backward
     return InPlaceABNFunction.apply(
         x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, activation,
         float(activation_param), training, sync, layer,

@@ -3,12 +3,14 @@
 installed torch, for the versions in :data:`CHECKED_TORCH_VERSIONS`.
 
 The native side reads one more (``src/graph_task.h``: a backward pass's ``GraphTask`` from the
-exported ``get_current_graph_task_nodes_in_graph``), checked by
+exported ``get_current_graph_task_nodes_in_graph``), checked where it runs, once, by
+:func:`check_graph_task_reading`, and in
 ``tests/test_torch_internals.py::test_the_native_meetings_find_the_backward_pass_they_wait_in``.
 """
 from __future__ import annotations
 
 import sys
+import warnings
 from types import ModuleType
 from typing import Any, Callable
 
@@ -80,6 +82,97 @@ def torch_build_identity() -> str:
     """The running torch as an extension built against it records it (setup.py,
     ``write_build_identity``): version, git revision and C++ ABI (``torch._C``'s flag)."""
     return f"{torch.__version__} ({torch.version.git_version}, cxx11abi={int(torch._C._GLIBCXX_USE_CXX11_ABI)})"
+
+
+class _Probe(Function):
+    """A node whose backward asks the compiled module whether its reading of the running graph task
+    agrees with torch's accessors."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, native: ModuleType, seen: list) -> Tensor:
+        ctx.native, ctx.seen = native, seen
+        return x * 1
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        ctx.seen.append(ctx.native.graph_task_reading_holds())
+        return grad, None, None
+
+
+def check_graph_task_reading(native: ModuleType) -> bool:
+    """Check, in two tiny backward passes (with and without ``retain_graph``), the compiled
+    module's reading of torch's ``GraphTask`` (``src/graph_task.h``), and let its backward
+    waiters use it only where it holds; else one warning: a waiter whose backward pass failed on
+    another device's thread is then freed by its timeout alone."""
+    seen: list[bool] = []
+    with torch.inference_mode(False), torch.enable_grad():
+        for retain_graph in (False, True):
+            _Probe.apply(torch.ones(1, requires_grad=True), native, seen).sum().backward(retain_graph=retain_graph)
+    holds = seen == [True, True]
+    native.use_graph_task_reading(holds)
+    if not holds:
+        warnings.warn(
+            f"syncbn: this torch ({torch.__version__}) lays out its autograd graph task otherwise than the headers "
+            "the extension was built with, so a replica waiting in a backward meeting is not told at once that its "
+            "backward pass failed on another device (its timeout frees it): rebuild the extension against this torch",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return holds
+
+
+_SOLE_REFERENCES: list[int] = []
+"""How many Python references a backward's gradient has, seen as its first statement sees them,
+where nothing else holds it (measured once, :func:`sole_references`)."""
+
+
+class _ReferenceProbe(Function):
+    """A Function whose backward sees a gradient that nothing else holds (a multiplication's)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> Tensor:
+        held_by_this_backward_alone(grad_output, probing=True)
+        return grad_output
+
+
+def sole_references() -> int:
+    """The reference count of a gradient that nothing else holds, as a backward's first statement
+    sees it, measured once in a tiny backward pass (call it outside a backward first)."""
+    if not _SOLE_REFERENCES:
+        with torch.enable_grad():
+            x = torch.zeros(2, requires_grad=True)
+            (_ReferenceProbe.apply(x * 1.0) * 3.0).sum().backward()
+    return _SOLE_REFERENCES[0]
+
+
+def held_by_this_backward_alone(grad: Tensor, probing: bool = False) -> bool:
+    """Whether the engine handed the calling backward (this must be its first statement) a
+    gradient that nothing else holds or shares (no hook or user kept it, no ``.grad`` holds it,
+    no view, its storage its own), so that the input gradient may be written over it: its Python
+    reference count against :func:`sole_references`, and torch's use counts of the tensor and its
+    storage. Never under torch.compile or torch.func (no eager references to count there)."""
+    if torch.compiler.is_compiling() or functorch_transforms_active():
+        return False
+    references = sys.getrefcount(grad)  # the probe's backward calls this as ours does
+    if probing:
+        _SOLE_REFERENCES.append(references)
+        return False
+    use_count, storage_use_count = getattr(grad, "_use_count", None), getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None or storage_use_count is None:  # a torch without them: never write over dy
+        return False
+    if grad._is_view() or use_count() != 1 or storage_use_count(grad.untyped_storage()._cdata) != 2:
+        return False  # the storage's count includes the untyped_storage() just made
+    return references <= sole_references()
+
+
+def has_internal_overlap(tensor: Tensor) -> bool:
+    """Whether some elements of ``tensor`` share memory (an expanded tensor), so that it cannot be
+    written in place; torch's own check, which it does not export."""
+    return torch._debug_has_internal_overlap(tensor) == 1
 
 
 def current_graph_task_id() -> int:

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from ..functions import torch_internals
 from ..functions.inplace_abn import inplace_abn
 from ..functions.operators.reference import memory_format_of
 from ..functions.operators.reference_abn import ABN_ACTIVATIONS
@@ -169,7 +170,7 @@ class InPlaceABN(ABN):
                 f"{self._label()}: the input is a leaf tensor that requires grad, which cannot be written in place "
                 "(torch refuses in-place ops on such leaves); feed it a computed tensor, or use ABN"
             )
-        if not torch.compiler.is_compiling() and torch._debug_has_internal_overlap(input) == 1:
+        if not torch.compiler.is_compiling() and torch_internals.has_internal_overlap(input):
             raise RuntimeError(
                 f"{self._label()}: the input cannot be written in place: its elements overlap in memory "
                 f"(size {tuple(input.shape)}, stride {input.stride()}, an expanded tensor?); pass input.contiguous()"

@@ -4,12 +4,15 @@
 // once, but a replica waiting at a meeting on another device's thread would wait for the failed
 // replica until its timeout. torch keeps that mark in GraphTask::has_error_ and exports no
 // accessor for it, only accessors of the current task's members; the task is found from one of
-// them (its address, less the member's offset in the struct of the headers built against;
-// tests/test_torch_internals.py checks the result against another exported accessor).
+// them (its address, less the member's offset in the struct of the headers built against).
+// The reading is checked once where it runs (graph_task_reading_holds, in a tiny backward at
+// import: functions/torch_internals.py) against the exported accessors of other members, and
+// used only where that check passed; else a waiter is freed by its timeout alone.
 #pragma once
 
 #include <torch/csrc/autograd/graph_task.h>
 
+#include <atomic>
 #include <cstddef>
 
 namespace syncbn {
@@ -26,8 +29,27 @@ inline const torch::autograd::GraphTask* current_graph_task() {
   return reinterpret_cast<const GraphTask*>(reinterpret_cast<const char*>(nodes) - offset);
 }
 
-// Whether the backward pass that this thread runs has failed (false outside one).
+// Whether the task found by current_graph_task() was checked to be the one torch runs.
+inline std::atomic<bool>& graph_task_reading_checked() {
+  static std::atomic<bool> checked{false};
+  return checked;
+}
+
+// Inside a backward pass: whether the task found through nodes_in_graph_ has, at the offsets of
+// these headers, the members that torch's other accessors return (exec_info_'s address,
+// keep_graph_, id_) and no error yet.
+inline bool graph_task_reading_holds() {
+  const auto* task = current_graph_task();
+  return task && &task->exec_info_ == torch::autograd::get_current_graph_task_exec_info() &&
+         task->keep_graph_ == torch::autograd::get_current_graph_task_keep_graph() &&
+         static_cast<int64_t>(task->id_) == torch::autograd::get_current_graph_task_id() &&
+         !task->has_error_.load(std::memory_order_relaxed);
+}
+
+// Whether the backward pass that this thread runs has failed (false outside one, and where the
+// reading was not checked).
 inline bool current_graph_task_failed() {
+  if (!graph_task_reading_checked().load(std::memory_order_relaxed)) return false;
   const auto* task = current_graph_task();
   return task && task->has_error_.load(std::memory_order_relaxed);
 }

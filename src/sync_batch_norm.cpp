@@ -816,6 +816,12 @@ void bind_sync_batch_norm(pybind11::module_& m) {
       },
       "(failed, retain_graph) of the backward pass this thread runs, read from torch's graph task as the "
       "meetings read it (src/graph_task.h); None outside one");
+  m.def("graph_task_reading_holds", &graph_task_reading_holds,
+        "Inside a backward pass: whether the graph task read from torch's struct (src/graph_task.h) agrees with "
+        "the exported accessors of its other members");
+  m.def(
+      "use_graph_task_reading", [](bool checked) { graph_task_reading_checked().store(checked); },
+      "Whether backward waiters read their graph task's failure (set once the reading was checked)");
   m.def("set_replica_sync_error", [](py::object type) {
     replica_sync_error = type.release().ptr();  // kept for the life of the process
   });

@@ -264,6 +264,22 @@ def test_the_native_meetings_find_the_backward_pass_they_wait_in(retain_graph: b
     assert seen == [(False, retain_graph)]
 
 
+def test_the_graph_task_reading_is_checked_where_it_runs() -> None:
+    # at import, two tiny backward passes check the native reading against torch's accessors;
+    # a reading that does not hold is not used, with one warning that says what is lost
+    from types import SimpleNamespace
+
+    if backend.NATIVE_ROUNDS is None:
+        pytest.skip("the compiled module is not loaded")
+    assert torch_internals.check_graph_task_reading(backend.NATIVE_ROUNDS)
+    used: list = []
+    wrong = SimpleNamespace(graph_task_reading_holds=lambda: False, use_graph_task_reading=used.append)
+    with pytest.warns(RuntimeWarning, match="its timeout frees it"):
+        assert not torch_internals.check_graph_task_reading(wrong)
+    assert used == [False]
+    assert backend.NATIVE_ROUNDS.graph_task_reading_holds() is False  # outside a backward pass
+
+
 def test_the_extension_records_the_torch_it_was_built_against() -> None:
     # the build records the torch it compiled against; the import compares it with the running one
     from types import SimpleNamespace
@@ -279,3 +295,32 @@ def test_the_extension_records_the_torch_it_was_built_against() -> None:
         backend.check_built_with_this_torch(other)
     with pytest.raises(ImportError, match="unknown version"):
         backend.check_built_with_this_torch(SimpleNamespace(__name__="old"))
+
+
+def test_the_in_place_probes_read_what_torch_holds() -> None:
+    # a gradient that nothing else holds may be written over; one that a hook keeps, or a view,
+    # may not; an expanded tensor overlaps itself
+    seen: list = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(torch_internals.held_by_this_backward_alone(grad))
+            return grad
+
+    torch_internals.sole_references()
+    x = torch.randn(3, requires_grad=True)
+    (Probe.apply(x) * 2.0).sum().backward()
+    kept: list = []
+    p = Probe.apply(x)
+    p.register_hook(kept.append)  # the hook keeps the gradient that Probe's backward gets
+    (p * 2.0).sum().backward()
+    z = Probe.apply(x)
+    z.sum().backward()  # sum's backward hands an expanded gradient
+    assert seen == [True, False, False]
+    assert torch_internals.has_internal_overlap(torch.ones(1).expand(3))
+    assert not torch_internals.has_internal_overlap(torch.ones(3))

@@ -138,6 +138,8 @@ in one native call per replica and direction, whichever kernels serve (under the
 calls the reference through the dispatcher). Without it, a layer synchronizes across ranks
 through the autograd Function, and refuses replicas in one process."""
 NATIVE_ROUNDS: ModuleType | None = EXTENSION
+if NATIVE_ROUNDS is not None:
+    torch_internals.check_graph_task_reading(NATIVE_ROUNDS)
 
 SERVING = {"cpu": "reference", "cuda": "reference"}
 """What serves the operators now, per device type (set by :func:`use_kernels`)."""
