@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import warnings
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import Tensor, nn
@@ -255,6 +255,26 @@ def reentrant_checkpoint_region() -> tuple[object, Any] | None:
             return None if ctx is None else (ctx, current_graph_task_id() if recomputing else FIRST_RUN)
         frame = frame.f_back
     return None
+
+
+def in_selective_recomputation() -> bool:
+    """Whether this thread recomputes a region of selective activation checkpointing
+    (``create_selective_checkpoint_contexts``): in a backward pass, with its cached-op dispatch
+    mode on the stack, which expects the ops of the first run again, one for one."""
+    if not in_backward_pass():
+        return False
+    from torch.utils import _python_dispatch
+    from torch.utils.checkpoint import _CachedTorchDispatchMode
+
+    return any(isinstance(mode, _CachedTorchDispatchMode) for mode in _python_dispatch._get_current_dispatch_mode_stack())
+
+
+def outside_dispatch_modes() -> ContextManager:
+    """A context that runs its body outside the current dispatch modes (a recomputed layer whose
+    ops are not the first run's: its statistics are reused, its running statistics untouched)."""
+    from torch.utils import _python_dispatch
+
+    return _python_dispatch._disable_current_modes()
 
 
 def apply_without_binding(function: type[Function], *args: Any) -> Any:

@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..functions import checkpointing, frozen_batch_norm, sync_batch_norm
+from ..functions import checkpointing, frozen_batch_norm, sync_batch_norm, torch_internals
 from ..functions.sync_batchnorm import native_serves, native_sync_batch_norm
 from ..functions.synchronization.traced_ranks import traced_sync_batch_norm
 from ..functions.operators.lone_replica import takes_our_kernels
@@ -231,6 +231,9 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input: Tensor, z: Tensor | None = None) -> Tensor:
         if isinstance(input, torch.fx.Proxy):
             return record_fx_call(self, input, z)
+        if not torch.compiler.is_compiling() and torch_internals.in_selective_recomputation():  # its ops differ from the first run's
+            with torch_internals.outside_dispatch_modes():
+                return self._forward(input, z)
         return self._forward(input, z)
 
     def _forward(self, input: Tensor, z: Tensor | None) -> Tensor:

@@ -141,6 +141,12 @@ class InPlaceABN(ABN):
     def forward(self, input: Tensor, z: Tensor | None = None) -> Tensor:
         if isinstance(input, torch.fx.Proxy):
             return record_fx_call(self, input, z)
+        if not torch.compiler.is_compiling() and torch_internals.in_selective_recomputation():  # its ops differ from the first run's
+            with torch_internals.outside_dispatch_modes():
+                return self._inplace_forward(input, z)
+        return self._inplace_forward(input, z)
+
+    def _inplace_forward(self, input: Tensor, z: Tensor | None) -> Tensor:
         if z is not None:
             raise TypeError(f"{self._label()}: an in-place activated batch norm takes no residual z")
         self._check_input(input)

@@ -1,7 +1,7 @@
 """Generated checkpoint regions: hypothesis draws a sequence of our layers and plain ops (affine
 or not, an input that needs grad or not, under no_grad or not, frozen, fused, in-place), one or
-two checkpoint levels (reentrant or not, early stop or not, a backward with retain_graph run
-twice), and every output, gradient and buffer of a few SGD steps
+two checkpoint levels (reentrant or not, early stop or not, selective activation checkpointing,
+a backward with retain_graph run twice), and every output, gradient and buffer of a few SGD steps
 is compared, float64, with the same model without checkpointing: on one device, under 2-3 thread
 replicas, and across 2 Gloo ranks (a smaller draw). The named cases are the structures that
 once mixed up a recomputed call's statistics or hung the ranks."""
@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from syncbn import nn as NN
 from syncbn.functions import torch_internals
@@ -65,6 +65,12 @@ class Plan:
     inner_reentrant: bool
     early_stop: bool
     retain_graph: bool
+    selective: bool = False  # the outer region, non-reentrant: selective activation checkpointing
+
+
+def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective checkpointing: keep the convolutions' outputs, recompute everything else."""
+    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.convolution.default else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class Drawn(nn.Module):
@@ -100,7 +106,10 @@ class Drawn(nn.Module):
         body = functools.partial(self._run_plain if nested else self._run, start=start, stop=stop)
         if reentrant:
             return checkpoint(body, h, use_reentrant=True)
-        return checkpoint(body, h, use_reentrant=False, early_stop=self.plan.early_stop)
+        options: dict[str, Any] = dict(use_reentrant=False, early_stop=self.plan.early_stop)
+        if self.plan.selective and not nested:
+            options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _policy)
+        return checkpoint(body, h, **options)
 
     def _run_plain(self, h: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         for index in range(start, stop):
@@ -126,9 +135,11 @@ def plans(draw: Any, reentrant: bool = True, max_steps: int = 5) -> Plan:
         start = draw(st.integers(outer_from, len(steps) - 1))
         inner = (start, draw(st.integers(start + 1, len(steps))))
     outer_reentrant = reentrant and draw(st.booleans())
+    selective = not outer_reentrant and draw(st.booleans())
     return Plan(
         steps, outer_from, inner, outer_reentrant, reentrant and draw(st.booleans()),
-        early_stop=draw(st.booleans()), retain_graph=draw(st.booleans()),
+        early_stop=draw(st.booleans()), retain_graph=not selective and draw(st.booleans()),  # SAC: one backward
+        selective=selective,
     )
 
 

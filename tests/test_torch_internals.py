@@ -324,3 +324,28 @@ def test_the_in_place_probes_read_what_torch_holds() -> None:
     assert seen == [True, False, False]
     assert torch_internals.has_internal_overlap(torch.ones(1).expand(3))
     assert not torch_internals.has_internal_overlap(torch.ones(3))
+
+
+def test_a_selective_recomputation_is_told_apart() -> None:
+    # only the recomputation of a region under create_selective_checkpoint_contexts, whose cached
+    # mode expects the first run's ops again, one for one
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    seen: list = []
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch_internals.in_selective_recomputation())
+        return x.sin()
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    x = torch.randn(3, requires_grad=True)
+    context = functools.partial(create_selective_checkpoint_contexts, policy)
+    checkpoint(region, x, use_reentrant=False, context_fn=context).sum().backward()
+    checkpoint(region, x, use_reentrant=False).sum().backward()
+    assert seen == [False, True, False, False]
+    with torch_internals.outside_dispatch_modes():
+        assert not torch.utils._python_dispatch._get_current_dispatch_mode_stack()
