@@ -9,18 +9,37 @@ exported ``get_current_graph_task_nodes_in_graph``), checked where it runs, once
 """
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from types import ModuleType
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.function import Function
 from torch.nn.parallel.replicate import replicate as _torch_replicate
 
-CHECKED_TORCH_VERSIONS = ("2.13", "2.14")
+CHECKED_TORCH_VERSIONS = ("2.13", "2.14", "2.15")
 """The torch versions (major.minor) whose internals the tests were read against."""
+
+
+def torch_minor_version() -> str:
+    """The running torch's major.minor version."""
+    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
+
+
+def warn_if_unchecked_torch() -> None:
+    """One warning where the running torch is not among :data:`CHECKED_TORCH_VERSIONS`."""
+    if torch_minor_version() not in CHECKED_TORCH_VERSIONS:
+        warnings.warn(
+            f"syncbn: torch {torch.__version__} is not among the versions whose private state this library was "
+            f"checked against ({', '.join(CHECKED_TORCH_VERSIONS)}): finding a checkpoint's recomputation, "
+            "stock nn.DataParallel's replicas and a failed backward pass are unverified on it; "
+            "tests/test_torch_internals.py checks them",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 _REPLICATE_CODE = _torch_replicate.__code__
 _BASE_APPLY = vars(torch._C._FunctionBase)["apply"]
@@ -277,11 +296,50 @@ def outside_dispatch_modes() -> ContextManager:
     return _python_dispatch._disable_current_modes()
 
 
+class _GivenArguments(NamedTuple):
+    """What ``inspect.Signature.bind`` returns, for a call that gives every argument positionally."""
+
+    args: tuple
+    kwargs: dict
+
+    def apply_defaults(self) -> None:
+        """Every argument is given: no default to apply."""
+
+
+class _EveryArgumentSignature(inspect.Signature):
+    """A forward's signature whose ``bind`` of a call that gives every argument positionally
+    returns them as they are (what the general binding returns for it, without its cost)."""
+
+    __slots__ = ()
+
+    def bind(self, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs and len(args) == len(self.parameters):
+            return _GivenArguments(args, {})
+        return super().bind(*args, **kwargs)
+
+
+_CHEAPLY_BOUND: set[type] = set()
+
+
+def _bind_cheaply(function: type[Function]) -> None:
+    """Give ``function.forward`` an :class:`_EveryArgumentSignature`, which ``inspect.signature``
+    returns as it is: torch >= 2.15's C ``apply`` binds every call's arguments with it."""
+    forward = vars(function)["forward"]
+    fn = forward.__func__ if isinstance(forward, staticmethod) else forward
+    signature = inspect.signature(fn)
+    fn.__signature__ = _EveryArgumentSignature(list(signature.parameters.values()), return_annotation=signature.return_annotation)
+    _CHEAPLY_BOUND.add(function)
+
+
 def apply_without_binding(function: type[Function], *args: Any) -> Any:
-    """``function.apply(*args)`` with every argument given, without what ``Function.apply`` does
-    for Functions with ``setup_context`` on every call (an ``inspect.signature`` binding of the
-    arguments, which costs more than a small layer's kernels). Eager mode outside torch.func
-    transforms only: the caller checks."""
+    """``function.apply(*args)`` with every argument given, without the general binding of its
+    arguments to ``forward``'s signature that ``Function.apply`` does for Functions with
+    ``setup_context`` on every call (``inspect.signature`` and ``bind``, which cost more than a
+    small layer's kernels): torch < 2.15 binds in Python, which the C ``apply`` skips; torch >=
+    2.15 binds in C, through the signature that :func:`_bind_cheaply` gives. Eager mode outside
+    torch.func transforms only: the caller checks."""
+    if function not in _CHEAPLY_BOUND:
+        _bind_cheaply(function)
     unwrap = torch._C._functorch.unwrap_if_dead
     return _BASE_APPLY.__get__(None, function)(*(unwrap(a) if isinstance(a, Tensor) else a for a in args))
 
@@ -299,3 +357,6 @@ def functional_collectives() -> ModuleType:
     from torch.distributed import _functional_collectives
 
     return _functional_collectives
+
+
+warn_if_unchecked_torch()

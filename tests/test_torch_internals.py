@@ -3,6 +3,8 @@ src/graph_task.h): each still means, on the installed torch, what the library re
 torch minor version fails the first test until these have been read against it."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -14,8 +16,19 @@ from syncbn.functions import torch_internals
 from syncbn.functions.operators import backend
 
 
+def test_an_unchecked_torch_gets_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch_internals.warn_if_unchecked_torch()  # the installed torch is checked: silent
+    monkeypatch.setattr(torch, "__version__", "2.99.0+cpu")
+    with pytest.warns(RuntimeWarning, match=r"torch 2\.99\.0\+cpu is not among .* unverified"):
+        torch_internals.warn_if_unchecked_torch()
+
+
 def test_the_installed_torch_is_one_the_internals_were_checked_against() -> None:
-    version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    version = torch_internals.torch_minor_version()
     assert version in torch_internals.CHECKED_TORCH_VERSIONS, (
         f"torch {version}: read functions/torch_internals.py and src/graph_task.h against it, then add it"
     )
@@ -220,6 +233,15 @@ def test_apply_without_binding_gives_what_apply_gives() -> None:
     assert type(y.grad_fn).__name__ == "ScaleBackward"
     (grad,) = torch.autograd.grad(y.sum(), x)
     torch.testing.assert_close(grad, torch.full((3,), 3.0))
+    # the signature that torch >= 2.15's C apply binds with: every argument given is taken as it
+    # is, anything else bound as inspect binds it (defaults applied, errors raised)
+    signature = inspect.signature(Scale.forward)
+    bound = signature.bind(x, 3.0)
+    bound.apply_defaults()
+    assert bound.args == (x, 3.0) and bound.kwargs == {}
+    assert signature.bind(x, factor=2.0).arguments == {"x": x, "factor": 2.0}
+    with pytest.raises(TypeError):
+        signature.bind(x)
 
 
 def test_the_lazy_dynamo_disable_imports_the_compiler_only_when_called() -> None:
