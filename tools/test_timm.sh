@@ -11,13 +11,8 @@
 #   tools/test_timm.sh                    # TIMM_ENV (default: /tmp/syncbn-timm-env), PYTHON (python)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source tools/env_tree.sh
 ENV=${TIMM_ENV:-/tmp/syncbn-timm-env}
-TREE="$ENV/tree"
-[ -x "$ENV/bin/python" ] || "${PYTHON:-python}" -m venv "$ENV"
-"$ENV/bin/python" -m pip install --quiet torch==2.14.1 torchvision==0.29.1 timm \
-    -r requirements.txt -r requirements-build.txt pytest hypothesis
-rm -rf "$TREE" && mkdir -p "$TREE"
-git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$TREE"
-(cd "$TREE" && SYNCBN_CUDA=0 PYTHON_CMD="$ENV/bin/python" ./make_ext.sh > "$ENV/build.log" 2>&1) \
-    || { cat "$ENV/build.log"; exit 1; }
-cd "$TREE" && "$ENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_timm.py tests/test_torchvision.py
+make_env "$ENV" torch==2.14.1 torchvision==0.29.1 timm -r requirements.txt -r requirements-build.txt pytest hypothesis
+build_tree "$ENV"
+cd "$ENV/tree" && "$ENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_timm.py tests/test_torchvision.py
