@@ -121,3 +121,41 @@ def assert_agree(steps: Iterator[list[Quantity]], atol: float | None = None, rto
             assert (q.ours is None) == (q.reference is None), f"{what}: present in one model only"
             if q.ours is not None:
                 torch.testing.assert_close(q.ours, q.reference, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+class Perturbed(nn.Module):
+    """``model`` on its input scaled by ``1 + relative`` (a change of a few units in the last
+    place in float64): how far rounding alone moves the model's quantities."""
+
+    def __init__(self, model: nn.Module, relative: float = 1e-15) -> None:
+        super().__init__()
+        self.model, self.scale = model, 1.0 + relative
+
+    def forward(self, *inputs: Tensor) -> Tensor:
+        return self.model(*(x * self.scale for x in inputs))
+
+
+Key = tuple[int, str, str]
+
+
+def rounding_spread(steps: Iterator[list[Quantity]]) -> dict[Key, float]:
+    """Per quantity (step, layer, name), the largest difference between a model and its
+    :class:`Perturbed` twin trained side by side: the model's own sensitivity to rounding."""
+    return {
+        (q.step, q.layer, q.name): float((q.ours - q.reference).abs().max())
+        for quantities in steps
+        for q in quantities
+        if q.ours is not None and q.reference is not None and q.ours.numel()
+    }
+
+
+def assert_within_spread(steps: Iterator[list[Quantity]], spread: dict[Key, float], factor: float, floor: float) -> None:
+    """Every quantity agrees within ``factor`` times its :func:`rounding_spread` (at least
+    ``floor``): tolerances that follow from the model, not from one machine's run."""
+    for quantities in steps:
+        for q in quantities:
+            what = f"step {q.step}: {q.layer + '.' if q.layer else ''}{q.name}"
+            assert (q.ours is None) == (q.reference is None), f"{what}: present in one model only"
+            if q.ours is not None:
+                allowed = max(floor, factor * spread.get((q.step, q.layer, q.name), 0.0))
+                torch.testing.assert_close(q.ours, q.reference, atol=allowed, rtol=0, msg=lambda m: f"{what} (rounding moves it by {allowed / factor:.2g}): {m}")

@@ -276,3 +276,72 @@ def test_a_failing_recomputation_frees_every_rank_at_once(failing: str) -> None:
     assert failed.startswith("MemoryError: out of memory in the recomputation"), failed
     assert "1 rank(s) of the process group failed in this backward pass" in waiting, waiting
     assert waited < 5 and failed_after < 5, results
+
+
+class FailingReplica(nn.Module):
+    """``FailingRecomputation``'s model, whose ``failing`` layer raises in its recomputation where
+    the replica's batch has ``rows`` samples."""
+
+    def __init__(self, failing: str, rows: int) -> None:
+        super().__init__()
+        self.model = FailingRecomputation("a", rank=0)  # rank 0: not armed there; armed here per replica batch
+        self.armed = True
+        target = getattr(self.model, failing)
+        check = type(target)._check_input
+
+        def failing_check(input: torch.Tensor, z: torch.Tensor | None = None) -> None:
+            if self.armed and input.shape[0] == rows and torch_internals.in_backward_pass():
+                raise MemoryError("out of memory in the recomputation")
+            check(target, input, z)
+
+        target._check_input = failing_check
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+@pytest.mark.parametrize("failing", ["a", "b"])
+def test_a_failing_recomputation_frees_every_thread_replica_at_once(failing: str) -> None:
+    # 3 replicas (3, 3 and 1 rows): the one with 1 row fails; the caller gets its error, at once
+    model = FailingReplica(failing, rows=1).to(F64)
+    runner = ThreadedDataParallel(model, ["cpu"] * 3, timeout=20)
+    x = torch.randn(7, C, 4, 4, dtype=F64, requires_grad=True)
+    start = time.monotonic()
+    with pytest.raises(MemoryError, match="out of memory in the recomputation"):
+        runner(x).sum().backward()
+    assert time.monotonic() - start < 5
+    model.armed = False
+    runner(x).sum().backward()  # the next step runs clean
+
+
+def test_a_region_whose_first_run_raised_leaves_the_next_step_exact() -> None:
+    # a replica raises in the region's first run: every replica raises; the next checkpointed step
+    # equals the same model without checkpointing from the state the failed step left
+    plan = Plan((Step("bn", False, False), Step("conv", False, False), Step("fused_relu", False, False)),
+                0, None, False, False, True, False)
+    torch.manual_seed(0)
+    ours = Drawn(plan, checkpointed=True).to(F64)
+    target = ours.layers[2]
+    check = type(target)._check_input
+
+    def failing_check(input: torch.Tensor, z: torch.Tensor | None = None) -> None:
+        if input.shape[0] == 1:
+            raise MemoryError("out of memory in the first run")
+        check(target, input, z)
+
+    target._check_input = failing_check
+    x = torch.randn(7, C, 4, 4, dtype=F64, requires_grad=True)
+    with pytest.raises(MemoryError, match="first run"):
+        ThreadedDataParallel(ours, ["cpu"] * 3, timeout=20)(x)
+    del target._check_input
+    plain = Drawn(plan, checkpointed=False).to(F64)
+    plain.load_state_dict(ours.state_dict())
+    compare_from = {"plain": plain, "ours": ours}
+    results = {}
+    for name, model in compare_from.items():
+        x_here = x.detach().clone().requires_grad_()
+        y = ThreadedDataParallel(model, ["cpu"] * 3, timeout=20)(x_here)
+        y.backward(torch.ones_like(y))
+        results[name] = [y.detach(), x_here.grad, *(p.grad for p in model.parameters()), *model.buffers()]
+    for got, want in zip(results["ours"], results["plain"]):
+        torch.testing.assert_close(got, want, **TOL)
