@@ -351,6 +351,26 @@ def lazy_dynamo_disable(fn: Callable) -> Callable:
     return torch._disable_dynamo(fn)
 
 
+def assert_on_device(condition: Tensor, message: str) -> None:
+    """Raise ``message`` where the 0-dim bool ``condition`` is false, checked on its device without
+    a host read (``torch._assert_async``, which torch.compile keeps in its graph)."""
+    torch._assert_async(condition, message)
+
+
+def tree_flatten(tree: Any) -> tuple[list, Any]:
+    """torch's pytree flattening (``torch.utils._pytree``): the leaves and the structure."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_flatten(tree)
+
+
+def tree_unflatten(leaves: list, structure: Any) -> Any:
+    """The tree of ``structure`` (from :func:`tree_flatten`) with ``leaves``."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_unflatten(leaves, structure)
+
+
 def functional_collectives() -> ModuleType:
     """torch.distributed._functional_collectives (collectives that torch.compile traces),
     imported at the first call: importing it loads the compiler stack."""

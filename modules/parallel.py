@@ -14,8 +14,8 @@ from typing import Any, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..functions.torch_internals import tree_flatten, tree_unflatten
 from ..functions.synchronization.replica_backward import (
     GatherWithReplicaBackward, Piece, ReplicaInput, ReplicaRun, gather, record_in_place_writes,
 )

@@ -371,3 +371,14 @@ def test_a_selective_recomputation_is_told_apart() -> None:
     assert seen == [False, True, False, False]
     with torch_internals.outside_dispatch_modes():
         assert not torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+
+
+def test_the_device_assert_and_pytree_are_torch_own() -> None:
+    torch_internals.assert_on_device(torch.tensor(True), "never raised")
+    with pytest.raises(RuntimeError, match="the ranks disagree"):
+        torch_internals.assert_on_device(torch.tensor(False), "the ranks disagree")
+    tree = {"x": [torch.ones(1), (2, torch.zeros(2))]}
+    leaves, structure = torch_internals.tree_flatten(tree)
+    assert len(leaves) == 3
+    rebuilt = torch_internals.tree_unflatten(leaves, structure)
+    assert rebuilt["x"][1][0] == 2 and rebuilt["x"][0] is leaves[0]

@@ -53,7 +53,7 @@ def _gathered_stats(x: Tensor, group, layer: str, running: Running) -> tuple[Ten
     rows = torch_internals.functional_collectives().all_gather_tensor(row, 0, group).view(world, row.numel())
     with torch.no_grad():
         total, mean, var, valid = OVERLOADS.merge_gathered_stats(rows, HEADER_SIZE, DTYPE + 1, FAILED, *running)
-    torch._assert_async(
+    torch_internals.assert_on_device(
         valid,
         f"{layer}: the ranks disagree on the layer or its dtype, or the whole batch holds one value "
         "per channel (checked on the device under torch.compile)",
