@@ -35,7 +35,7 @@ from .operators.reference import accumulation_dtype, in_dtype, memory_format_of,
 from .operators.reference_abn import ABN_ACTIVATIONS
 from .stats import LocalStats, Running, check_values_per_channel, merge, update_running_stats
 from .sync_batchnorm import global_sums, normalization_every_replica
-from .synchronization.synchronizer import Synchronizer
+from .synchronization.synchronizer import Synchronizer, check_not_captured
 
 
 class _ForwardPart(NamedTuple):
@@ -133,6 +133,8 @@ class InPlaceABNFunction(Function):
         if sync is not None:
             checks.read_when_backward_ends()  # the forward's deferred verdicts, if any
         y, invstd, weight, bias = ctx.saved_tensors
+        if sync is not None:
+            check_not_captured(y, ctx.layer, "backward")
         dy = grad_output.contiguous(memory_format=memory_format_of(y))
         needs = ctx.needs_input_grad
         wants = (needs[0], weight is not None and needs[1], bias is not None and needs[2])
@@ -193,7 +195,7 @@ def _backward_every_replica(
         local.append((None, sum_dz, sum_xhat_dz, ready))
     totals = None
     if batch_stats and any(part.wants[0] for part in parts):
-        totals = global_sums(local, values_per_channel(parts[0].y) if sync is None else None, sync)
+        totals = global_sums(local, values_per_channel(parts[0].y) if sync is None else None, sync, parts[0].stream)
     return [_part_grads(part, sums, totals, act) for part, sums in zip(parts, local)]
 
 

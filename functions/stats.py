@@ -48,6 +48,19 @@ def check_inputs_agree(layer: str, channels: Sequence[int], dtypes: Sequence[tor
             )
 
 
+def check_not_capturing(capturing: bool, layer: str, direction: str) -> None:
+    """A synchronized step waits for other threads or ranks and reads their verdicts on the host,
+    which a CUDA graph can neither capture nor replay: its ``direction`` ('forward' or
+    'backward') under capture is refused, naming ``layer``, before any work."""
+    if capturing:
+        raise RuntimeError(
+            f"{layer}: a training step synchronized across replicas or processes cannot be captured in a CUDA "
+            f"graph (its {direction} meets the other replicas or ranks on the host). Capture a model whose layers "
+            "run alone (no DataParallel replicas, no process group of more than one rank, or in eval mode), or "
+            "run the synchronized step without capture."
+        )
+
+
 def merge(parts: list[LocalStats]) -> tuple[int, Tensor, Tensor]:
     """Count, mean and biased variance of the parts' union, with Chan's formula (the
     ``merge_stats`` operator); count 0 gives mean 0 and variance 1."""

@@ -39,7 +39,7 @@ from .operators.ops import OVERLOADS
 from .operators.reference import in_dtype, memory_format_of, values_per_channel
 from .synchronization.replicas import ReplicaSyncError
 from .stats import LocalStats, Running, check_values_per_channel
-from .synchronization.synchronizer import Synchronizer
+from .synchronization.synchronizer import Synchronizer, check_not_captured
 
 
 class SyncBatchNormFunction(Function):
@@ -124,6 +124,8 @@ class SyncBatchNormFunction(Function):
         if ctx.sync is not None:
             checks.read_when_backward_ends()  # the forward's deferred verdicts, if any
         input, weight, bias, residual, mean, invstd = ctx.saved_tensors
+        if ctx.sync is not None:
+            check_not_captured(input, ctx.layer, "backward")
         x = input.contiguous(memory_format=memory_format_of(input))
         dy = grad_output.contiguous(memory_format=memory_format_of(x))
         needs = ctx.needs_input_grad
@@ -203,10 +205,11 @@ def normalization_every_replica(
             mean, m2 = OVERLOADS.local_stats(part.x)
             ready = None if part.stream is None else devices.mark_ready(m2)
         local.append(LocalStats(values_per_channel(part.x), mean, m2, part.x.dtype, part.x.shape, ready))
-    mean, var = sync.merge_stats(local, running)
-    mean_acc, invstd = reference.normalization(mean, var, eps, reference.accumulation_dtype(parts[0].x.dtype))
-    # another replica's thread reads them on its stream (none: the only replica, on this thread)
-    ready = None if parts[0].stream is None else devices.mark_ready(invstd)
+    with devices.on_stream(parts[0].stream):  # the master's, whichever replica's thread runs this
+        mean, var = sync.merge_stats(local, running)
+        mean_acc, invstd = reference.normalization(mean, var, eps, reference.accumulation_dtype(parts[0].x.dtype))
+        # another replica's thread reads them on its stream (none: the only replica, on this thread)
+        ready = None if parts[0].stream is None else devices.mark_ready(invstd)
     results = []
     for part in parts:
         with devices.on_stream(part.stream):
@@ -235,7 +238,7 @@ def _backward_every_replica(
                 )
             ready = None if part.stream is None else devices.mark_ready(sum_dy_xmu)
         local.append((dy, sum_dy, sum_dy_xmu, ready))
-    totals = global_sums(local, count, sync) if any(part.wants[0] for part in parts) else None
+    totals = global_sums(local, count, sync, parts[0].stream) if any(part.wants[0] for part in parts) else None
     results = []
     for part, (dy, sum_dy, sum_dy_xmu, _) in zip(parts, local):
         wants_input, wants_weight, wants_bias, wants_residual = part.wants
@@ -335,12 +338,21 @@ def sync_batch_norm(
 
 
 def global_sums(
-    local: list[tuple[Tensor, Tensor, Tensor, object]], count: int | None, sync: Synchronizer | None
+    local: list[tuple[Tensor, Tensor, Tensor, object]], count: int | None, sync: Synchronizer | None,
+    stream: "torch.cuda.Stream | None" = None,
 ) -> tuple[Tensor, Tensor, int | None, object]:
     """The parts' (sum_dy, sum_dy_xmu) summed in replica order on the first part's device, then
     over the ranks (:meth:`Synchronizer.sum_with_ranks`), as backward_elemt takes them with the
     count returned (``count`` without a ``sync``), and an event after them for the other
-    replicas' streams (None where this is the only replica: its own thread reads them)."""
+    replicas' streams (None where this is the only replica: its own thread reads them); queued on
+    ``stream``, the master's (whichever replica's thread runs this)."""
+    with devices.on_stream(stream):
+        return _summed(local, count, sync)
+
+
+def _summed(
+    local: list[tuple[Tensor, Tensor, Tensor, object]], count: int | None, sync: Synchronizer | None
+) -> tuple[Tensor, Tensor, int | None, object]:
     device = local[0][1].device
     sums_dy = [devices.fetch(sum_dy, device, ready) for _, sum_dy, _, ready in local]
     sums_dy_xmu = [devices.fetch(sum_dy_xmu, device, ready) for _, _, sum_dy_xmu, ready in local]

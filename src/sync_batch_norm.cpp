@@ -243,6 +243,14 @@ void check_values_per_channel(const std::vector<StatsPart>& parts, int64_t total
   raise_failed_check("check_values_per_channel", total, layer, shapes);
 }
 
+// A synchronized backward on a CUDA stream that a graph captures: refused before any work, as the
+// forward is (functions/synchronization/synchronizer.py: check_not_captured).
+void check_not_capturing(const at::Device& device, const std::string& layer) {
+  if (device.type() != c10::DeviceType::CUDA) return;
+  const auto* guard = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  if (guard->isStreamCapturing(guard->getStream(device))) raise_failed_check("check_not_capturing", true, layer, "backward");
+}
+
 // The collectives' rows (functions/synchronization/distributed.py, which sets this once: set_row_layout).
 struct RowLayout {
   int64_t header = 0, agreeing = 0, failed = 0, shape_dims = 0, identities = 0;
@@ -672,6 +680,7 @@ struct SyncBatchNormBackward : public torch::autograd::Node {
     // record its graph (torch.utils.checkpoint with use_reentrant=False)
     const auto input = x.unpack(), mean_ = mean.unpack(), invstd_ = invstd.unpack();
     const auto weight_ = weight.unpack(), bias_ = bias.unpack(), residual_ = residual.unpack();
+    check_not_capturing(input.device(), layer);
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const auto optional = [](const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; };
     auto dy = (grads[0].defined() ? grads[0] : at::zeros_like(input)).contiguous(memory_format_of(input));

@@ -339,6 +339,69 @@ def test_capturing_a_synchronized_step_raises_a_clear_error() -> None:
     assert int(bn.num_batches_tracked) == 0
 
 
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_capturing_a_synchronized_backward_alone_raises_a_clear_error(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward ran eagerly on a side stream; capturing the backward on it is refused as the
+    forward's capture is, naming the layer, and the other replica's backward is released."""
+    from helpers import run_threads, stock_replicas
+    from syncbn.functions import ReplicaSyncError
+
+    if path == "python":
+        through_the_function(monkeypatch)
+    bn = NN.SyncBatchNorm2d(4, timeout=30).to(DEVICE)
+    replicas = stock_replicas(bn, 2)
+    xs = [torch.randn(2, 4, 3, 3, device=DEVICE, requires_grad=True) for _ in replicas]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+
+    def forward(replica: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with torch.cuda.stream(stream):
+            return replica(x)
+
+    outputs = run_threads([lambda r=r, x=x: forward(r, x) for r, x in zip(replicas, xs)])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="its backward meets the other replicas or ranks on the host") as raised:
+        with torch.cuda.graph(graph, stream=stream):
+            outputs[0].sum().backward()
+    assert "SyncBatchNorm2d" in str(raised.value)
+    start = time.monotonic()
+    with pytest.raises(ReplicaSyncError, match="replica 0 failed: RuntimeError"):
+        with torch.cuda.stream(stream):
+            outputs[1].sum().backward()
+    assert time.monotonic() - start < 5
+
+
+def test_the_python_paths_merge_runs_on_the_masters_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replica 1 arrives last and runs the master's work on its thread: the merge and the running
+    statistics' update still queue on replica 0's stream (the backward's sums take the same
+    stream argument: functions.sync_batchnorm.global_sums)."""
+    from helpers import run_threads, stock_replicas
+    from syncbn.functions.synchronization.synchronizer import Synchronizer
+
+    through_the_function(monkeypatch)
+    seen: list = []
+    merge = Synchronizer.merge_stats
+
+    def merge_stats(self, *args):
+        seen.append(torch.cuda.current_stream(DEVICE))
+        return merge(self, *args)
+
+    monkeypatch.setattr(Synchronizer, "merge_stats", merge_stats)
+    replicas = stock_replicas(NN.SyncBatchNorm2d(4, timeout=30).to(DEVICE), 2)
+    streams = [torch.cuda.Stream(DEVICE) for _ in replicas]
+    xs = [torch.randn(2, 4, 3, 3, device=DEVICE) for _ in replicas]
+
+    def step(index: int) -> torch.Tensor:
+        if index == 1:
+            time.sleep(0.2)  # the master waits: replica 1's thread does the master's work
+        with torch.no_grad(), torch.cuda.stream(streams[index]):
+            return replicas[index](xs[index])
+
+    run_threads([lambda i=i: step(i) for i in range(2)])
+    assert seen == [streams[0]]
+
+
 @pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
 def test_a_lone_training_step_captures_and_replays_exactly(momentum) -> None:
     """A lone replica's training step (forward, backward, running statistics) in a CUDA graph,

@@ -297,16 +297,11 @@ OWED = OwedBackwards()
 """This process's owed backward collectives."""
 
 
-def check_not_captured(input: Tensor, layer: str) -> None:
-    """A synchronized step waits for other threads or ranks and reads their verdicts on the host,
-    which a CUDA graph can neither capture nor replay: refused, naming ``layer``, before any work."""
-    if input.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"{layer}: a training step synchronized across replicas or processes cannot be captured in a CUDA "
-            "graph (it meets the other replicas or ranks on the host). Capture a model whose layers run alone "
-            "(no DataParallel replicas, no process group of more than one rank, or in eval mode), or run the "
-            "synchronized step without capture."
-        )
+def check_not_captured(input: Tensor, layer: str, direction: str = "forward") -> None:
+    """Refuse a synchronized ``direction`` of ``layer`` on a CUDA stream that a CUDA graph is
+    capturing (:func:`functions.stats.check_not_capturing`), before any work."""
+    if input.is_cuda:
+        stats.check_not_capturing(torch.cuda.is_current_stream_capturing(), layer, direction)
 
 
 def _on_one_device(parts: list[LocalStats]) -> list[LocalStats]:
