@@ -1,6 +1,6 @@
 """Generated checkpoint regions: hypothesis draws a sequence of our layers and plain ops (affine
-or not, an input that needs grad or not, under no_grad or not, frozen, fused, in-place), one or
-two checkpoint levels (reentrant or not, early stop or not, selective activation checkpointing,
+or not, an input that needs grad or not, under no_grad, inference_mode or neither, frozen, fused,
+in-place), one or two checkpoint levels (reentrant or not, early stop or not, selective activation checkpointing,
 a backward with retain_graph run twice), and every output, gradient and buffer of a few SGD steps
 is compared, float64, with the same model without checkpointing: on one device, under 2-3 thread
 replicas, and across 2 Gloo ranks (a smaller draw). The named cases are the structures that
@@ -51,6 +51,7 @@ class Step:
     layer: str
     detached: bool  # the layer's input needs no grad
     no_grad: bool  # the layer runs under torch.no_grad()
+    inference: bool = False  # ... or torch.inference_mode() (where no_grad)
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,11 @@ class Drawn(nn.Module):
         x = h.detach() if step.detached else h
         if step.layer in IN_PLACE:
             x = x.clone()  # it writes its input
-        with torch.no_grad() if step.no_grad else torch.enable_grad():
+        mode = torch.inference_mode() if step.inference else torch.no_grad()
+        with mode if step.no_grad else torch.enable_grad():
             out = self.layers[index](x)
+        if step.inference and step.no_grad:
+            out = out.clone()  # an inference tensor: a copy for autograd to use
         return out + h
 
     def _region(self, h: torch.Tensor, start: int, stop: int, reentrant: bool, nested: bool) -> torch.Tensor:
@@ -123,10 +127,13 @@ class Drawn(nn.Module):
         return self._region(h, self.plan.outer_from, len(self.plan.steps), self.plan.outer_reentrant, nested=False)
 
 
+GRAD_MODES = [(False, False), (True, False), (True, True)]  # (no_grad, inference): grad, no_grad, inference_mode
+
+
 @st.composite
 def plans(draw: Any, reentrant: bool = True, max_steps: int = 5) -> Plan:
     steps = tuple(
-        Step(draw(st.sampled_from(sorted(LAYERS))), draw(st.booleans()), draw(st.booleans()))
+        Step(draw(st.sampled_from(sorted(LAYERS))), draw(st.booleans()), *draw(st.sampled_from(GRAD_MODES)))
         for _ in range(draw(st.integers(2, max_steps)))
     )
     outer_from = draw(st.integers(0, 1))
