@@ -444,7 +444,10 @@ def kind_of(quantity: str) -> str:
 
 def print_table(rows: dict[tuple[str, str, str], Row], tolerances: dict[str, Tolerance]) -> int:
     """Print one line per row; return the number of failed rows."""
-    header = f"{'case':<5} {'layer':<16} {'quantity':<20} {'max |diff|':>11} {'tolerance':>11}  status"
+    # each column as wide as its longest entry (case names such as "checkpoint" included)
+    widths = [max([len(title), *(len(key[column]) for key in rows)]) for column, title in enumerate(("case", "layer", "quantity"))]
+    case_w, layer_w, quantity_w = widths
+    header = f"{'case':<{case_w}} {'layer':<{layer_w}} {'quantity':<{quantity_w}} {'max |diff|':>11} {'tolerance':>11}  status"
     print(header)
     print("-" * len(header))
     failures = 0
@@ -453,7 +456,7 @@ def print_table(rows: dict[tuple[str, str, str], Row], tolerances: dict[str, Tol
         ok = row.max_diff <= tolerance
         failures += not ok
         status = "OK" if ok else "FAIL"
-        print(f"{case:<5} {layer:<16} {quantity:<20} {row.max_diff:>11.3e} {tolerance:>11.3e}  {status}")
+        print(f"{case:<{case_w}} {layer:<{layer_w}} {quantity:<{quantity_w}} {row.max_diff:>11.3e} {tolerance:>11.3e}  {status}")
     return failures
 
 

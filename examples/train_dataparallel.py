@@ -14,6 +14,7 @@ depends on the pixel's 5x5 neighbourhood, so the loss can fall.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -95,7 +96,8 @@ def main() -> None:
     for epoch in range(args.epochs):
         start, total = time.perf_counter(), 0.0
         steps = range(args.steps_per_epoch)
-        bar = tqdm(steps, desc=f"epoch {epoch}", leave=False) if tqdm is not None else None
+        # a bar where a person watches a terminal; a plain line per batch in a log
+        bar = tqdm(steps, desc=f"epoch {epoch}", leave=False) if tqdm is not None and sys.stderr.isatty() else None
         for step in bar if bar is not None else steps:
             images, masks = synthetic_batch(args.batch_size, args.image_size, projection, generator)
             loss = F.cross_entropy(parallel(images.to(device)), masks.to(device))

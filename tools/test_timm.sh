@@ -13,6 +13,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/env_tree.sh
 ENV=${TIMM_ENV:-/tmp/syncbn-timm-env}
-make_env "$ENV" torch==2.14.1 torchvision==0.29.1 timm -r requirements.txt -r requirements-build.txt pytest hypothesis
+make_env "$ENV" torch==2.14.1 torchvision==0.29.1 timm -r requirements.txt -r requirements-build.txt pytest hypothesis pytest-timeout
 build_tree "$ENV"
 cd "$ENV/tree" && "$ENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_timm.py tests/test_torchvision.py

@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/env_tree.sh
 ENV=${TORCH_RELEASE_ENV:-/tmp/syncbn-torch-release}
-make_env "$ENV" "${TORCH_RELEASE:-torch==2.15.0}" -r requirements.txt -r requirements-build.txt pytest hypothesis
+make_env "$ENV" "${TORCH_RELEASE:-torch==2.15.0}" -r requirements.txt -r requirements-build.txt pytest hypothesis pytest-timeout
 build_tree "$ENV"
 cd "$ENV/tree"
 "$ENV/bin/python" test.py
