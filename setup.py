@@ -92,10 +92,19 @@ def openmp_flags() -> list[str]:
     return ["-fopenmp"] if torch.backends.openmp.is_available() and sys.platform.startswith("linux") else []
 
 
+def quiet_flags() -> list[str]:
+    """Warnings of our code only: torch's headers (pybind11's among them) as system headers, whose
+    warnings GCC leaves out; our symbols hidden (pybind11's own are, and a bound class must be
+    too); and GCC 12's -Wmaybe-uninitialized, which its own intrinsic headers set off once inlined
+    (``__Y = __Y`` in ``_mm512_undefined_*``), off."""
+    return [*(f"-isystem{path}" for path in cpp_extension.include_paths()), "-fvisibility=hidden",
+            "-Wno-maybe-uninitialized"]
+
+
 def cpu_extension(capability: str) -> cpp_extension.CppExtension:
     macros = [] if capability == "DEFAULT" else [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
     # -g0: Python's CFLAGS ask for -g, whose debug info would triple the objects and the link
-    flags = ["-O3", "-g0", *CPU_CAPABILITY_FLAGS[capability], *macros, *openmp_flags()]
+    flags = ["-O3", "-g0", *CPU_CAPABILITY_FLAGS[capability], *macros, *openmp_flags(), *quiet_flags()]
     return cpp_extension.CppExtension(
         name=f"syncbn.functions._C_{capability.lower()}",
         sources=sources("src/bindings.cpp", "src/train_forward.cpp", "src/sync_batch_norm.cpp",
@@ -137,7 +146,7 @@ def cuda_extensions() -> list[cpp_extension.CUDAExtension]:
         name=CUDA_EXTENSION,
         sources=sources("src/cuda/*.cu", "src/cuda/bindings.cpp", "src/train_forward.cpp"),
         include_dirs=[os.path.join(ROOT, "src"), write_build_identity()],
-        extra_compile_args={"cxx": ["-O3", "-g0"], "nvcc": ["-O3"]},
+        extra_compile_args={"cxx": ["-O3", "-g0", *quiet_flags()], "nvcc": ["-O3"]},
         extra_link_args=cxx_runtime_link_args(),
     )
     ext.optional = mode == "auto"

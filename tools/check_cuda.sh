@@ -75,8 +75,10 @@ if [ "$status" -eq 0 ]; then
     status=1
   fi
 fi
-# the binding file of functions._C_cuda, with the C++ compiler (no device code in it)
-if ! "$CXX" -fsyntax-only -x c++ src/cuda/bindings.cpp -Isrc -I"$CUDA_INCLUDE" \
+# the binding file of functions._C_cuda, with the C++ compiler (no device code in it); the build
+# identity that setup.py writes for it, as setup.py writes it
+python -c 'import setup; setup.write_build_identity()'
+if ! "$CXX" -fsyntax-only -x c++ src/cuda/bindings.cpp -Isrc -Ibuild/generated -I"$CUDA_INCLUDE" \
     "${INCLUDES[@]}" "${DEFINES[@]}" -fPIC 2> "$OUT/bindings.log"; then
   echo "check_cuda: FAILED src/cuda/bindings.cpp" >&2
   cat "$OUT/bindings.log" >&2
