@@ -318,6 +318,7 @@ class SyncBatchNorm(_BatchNorm):
         recomputing = where is not None and where.recomputing
         # a reentrant recomputation's later calls, not yet made here, are what the others wait in
         sync.reports_backward_failures = not (recomputing and where.reentrant)
+        sync.region = None if where is None else where.region
         try:
             self._check_input(input, z)
             check_not_captured(input, label)

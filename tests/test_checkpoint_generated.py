@@ -352,3 +352,34 @@ def test_a_region_whose_first_run_raised_leaves_the_next_step_exact() -> None:
         results[name] = [y.detach(), x_here.grad, *(p.grad for p in model.parameters()), *model.buffers()]
     for got, want in zip(results["ours"], results["plain"]):
         torch.testing.assert_close(got, want, **TOL)
+
+
+def _fail_in_a_synchronized_backward(rank: int, world: int, path: str) -> tuple[str, float]:
+    import syncbn.modules.batchnorm as batchnorm
+
+    if path == "python":
+        batchnorm.native_serves = lambda: False  # this process only: the autograd Function's path
+    torch.manual_seed(0)
+    conv, bn, head = nn.Conv2d(C, C, 1), NN.BatchNorm2d(C), NN.BatchNorm2d(C)
+    model = nn.Sequential(conv, bn, head).to(F64)
+    h = conv(torch.randn(3 + rank, C, 4, 4, dtype=F64))
+    y = head(bn(h))
+    if rank == 1:
+        with torch.no_grad():
+            h.add_(1)  # bn's saved input changed: its backward raises before its all_reduce
+    start = time.monotonic()
+    try:
+        y.sum().backward()
+    except Exception as error:  # noqa: BLE001 (the test looks at what each rank raised)
+        return f"{type(error).__name__}: {error}", time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_a_failing_synchronized_backward_frees_every_rank_at_once(path: str) -> None:
+    # rank 1's backward of the first layer fails before its all_reduce; rank 0, waiting in that
+    # all_reduce, learns of it there at once, not after the 20 s collective timeout
+    (waiting, waited), (failed, failed_after) = run_local_group(_fail_in_a_synchronized_backward, 2, path, timeout_s=20)
+    assert "modified by an inplace operation" in failed, failed
+    assert "1 rank(s) of the process group failed in this backward pass" in waiting, waiting
+    assert waited < 5 and failed_after < 5

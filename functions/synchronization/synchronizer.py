@@ -38,9 +38,10 @@ replicas of the round are released at once (they raise instead of waiting), and 
 that has not yet joined the forward's collective joins it with a failed flag, so that the other
 ranks raise too rather than wait for the collective's timeout. An error in a backward pass (a
 synchronized backward, or a checkpoint's recomputation that reuses its statistics and so joins no
-forward collective) is told to the other ranks in the collective they wait in: the backward
-all_reduce of the latest call whose backward this process still owes (:class:`OwedBackwards`),
-joined once per backward pass with the failed identity.
+forward collective) is told to the other ranks in the collective they are certain to wait in: the
+failed call's own backward all_reduce, or, for a recomputation, that of the region's latest call
+whose backward this process still owes (:class:`OwedBackwards`), joined once per backward pass
+with the failed identity.
 """
 from __future__ import annotations
 
@@ -88,8 +89,10 @@ class Synchronizer:
         self._joined_collective = False
         self._joined_backward = False
         self.reports_backward_failures = True
-        """Whether a failure of this call in a backward pass joins the owed backward collective; not
-        in a reentrant checkpoint's recomputation, whose later calls the others wait in."""
+        """Whether a failure of this recomputation tells the ranks: not in a reentrant checkpoint's,
+        whose later calls, not yet made here, the others wait in."""
+        self.region: object | None = None
+        """The checkpointed region (frame or node) this call runs in, if any."""
         self.native: tuple | None = None  # the native path's process master: distributed.native_ranks
         self.normalization: tuple[Tensor, Tensor] | None = None
         """This replica's (mean, invstd) once the forward has made them."""
@@ -227,16 +230,17 @@ class Synchronizer:
         return mean, var
 
     def owe_backward(self) -> None:
-        """This call's forward made a backward node that will meet the ranks: where a backward pass
-        fails before it, the failure is told through its collective (:meth:`fail_backward`)."""
+        """This call's forward made a backward node that will meet the ranks, in the checkpointed
+        region :attr:`region` (if any): where a recomputation of that region fails, the failure is
+        told through the latest such call's collective (:meth:`fail_backward`)."""
         if self.process_call is not None:
             OWED.add(self)
 
     def fail(self, error: BaseException) -> None:
         """This replica failed during the call: release the other replicas of its round, and tell
         the other ranks through the collective they wait in: the forward's, where this process
-        has not joined it yet, else, in a backward pass, the owed backward's. Checkpoint's stop
-        of a recomputation is control flow, not a failure."""
+        has not joined it yet, else, in a backward pass, the one :meth:`fail_backward` finds.
+        Checkpoint's stop of a recomputation is control flow, not a failure."""
         if torch_internals.is_checkpoint_stop(error):
             return
         if self.replica_call is not None:
@@ -246,47 +250,62 @@ class Synchronizer:
         if not self._joined_collective and self.given is None:
             self._joined_collective = True
             report_failure(self.process_call, self.channels, self.device)
-        elif self.reports_backward_failures:
+        else:
             self.fail_backward()
 
     def fail_backward(self) -> None:
-        """This process failed in a backward pass: the other ranks raise at the next backward
-        collective they wait in, told once per backward pass (the native backward calls this)."""
-        if self.process_call is not None and torch_internals.in_backward_pass():
-            OWED.report_failure()
+        """This call failed in a backward pass (the native backward calls this too): tell the other
+        ranks in the collective they are certain to wait in, once per backward pass: this call's
+        backward all_reduce where it has not joined it, or, for the recomputation of a
+        non-reentrant region, the latest owed call of that region (the engine runs a graph's nodes
+        in reverse order of their making). Elsewhere nothing is certain: no report, and the others
+        wait for the collective timeout."""
+        if self.process_call is None or not torch_internals.in_backward_pass():
+            return
+        if self.given is None:
+            OWED.report_failure(self if not self._joined_backward else None)
+        elif self.reports_backward_failures and self.region is not None:
+            OWED.report_failure(OWED.latest_in(self.region))
 
 
 class OwedBackwards:
     """The synchronized calls of this process whose backward collective is still owed (their node
-    alive, their all_reduce not joined), in the order of their forwards; the autograd engine runs
-    a graph's nodes in reverse order of their making, so the other ranks meet the latest next."""
+    alive, their all_reduce not joined), in the order of their forwards, with the checkpointed
+    region each ran in."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._calls: list[weakref.ref[Synchronizer]] = []
+        self._calls: list[tuple[weakref.ref[Synchronizer], int | None]] = []
         self._prune_at = 64
         self._reported_pass = -1
 
     def add(self, sync: Synchronizer) -> None:
+        region = None if sync.region is None else id(sync.region)  # alive while its graph is
         with self._lock:
-            self._calls.append(weakref.ref(sync))
+            self._calls.append((weakref.ref(sync), region))
             if len(self._calls) >= self._prune_at:
-                self._calls = [ref for ref in self._calls if _owes(ref())]
+                self._calls = [(ref, where) for ref, where in self._calls if _owes(ref())]
                 self._prune_at = 2 * len(self._calls) + 64
 
-    def report_failure(self) -> None:
-        """Join the latest owed backward collective with the failed identity, once per pass."""
+    def latest_in(self, region: object) -> Synchronizer | None:
+        """The latest call still owed that ran in ``region``."""
+        with self._lock:
+            for ref, where in reversed(self._calls):
+                sync = ref()
+                if where == id(region) and _owes(sync):
+                    return sync
+        return None
+
+    def report_failure(self, sync: Synchronizer | None) -> None:
+        """Join ``sync``'s backward all_reduce with the failed identity, once per backward pass."""
         backward_pass = torch_internals.current_graph_task_id()
         with self._lock:
-            if backward_pass == self._reported_pass:
+            if sync is None or backward_pass == self._reported_pass or not _owes(sync):
                 return
             self._reported_pass = backward_pass
-            while self._calls and not _owes(self._calls[-1]()):
-                self._calls.pop()
-            sync = self._calls.pop()() if self._calls else None
-        if sync is not None and sync.process_call is not None:
             sync._joined_backward = True
-            report_backward_failure(sync.process_call, sync.channels, sync.device)
+        assert sync.process_call is not None
+        report_backward_failure(sync.process_call, sync.channels, sync.device)
 
 
 def _owes(sync: Synchronizer | None) -> bool:
