@@ -243,12 +243,32 @@ void check_values_per_channel(const std::vector<StatsPart>& parts, int64_t total
   raise_failed_check("check_values_per_channel", total, layer, shapes);
 }
 
+// Whether a device guard can say that a stream is capturing (torch >= 2.12 or so).
+template <typename Guard, typename = void>
+struct HasCaptureQuery : std::false_type {};
+template <typename Guard>
+struct HasCaptureQuery<Guard, std::void_t<decltype(std::declval<const Guard&>().isStreamCapturing(
+                                  std::declval<const c10::Stream&>()))>> : std::true_type {};
+
+// Whether `device`'s current stream is being captured into a CUDA graph: the device guard's
+// answer, or torch.cuda's where the guard has no such query.
+template <typename Guard>
+bool capturing(const Guard* guard, const at::Device& device) {
+  if constexpr (HasCaptureQuery<Guard>::value) {
+    return guard->isStreamCapturing(guard->getStream(device));
+  } else {
+    pybind11::gil_scoped_acquire gil;
+    return pybind11::module_::import("torch.cuda").attr("is_current_stream_capturing")().template cast<bool>();
+  }
+}
+
 // A synchronized backward on a CUDA stream that a graph captures: refused before any work, as the
 // forward is (functions/synchronization/synchronizer.py: check_not_captured).
 void check_not_capturing(const at::Device& device, const std::string& layer) {
   if (device.type() != c10::DeviceType::CUDA) return;
-  const auto* guard = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-  if (guard->isStreamCapturing(guard->getStream(device))) raise_failed_check("check_not_capturing", true, layer, "backward");
+  if (capturing(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA), device)) {
+    raise_failed_check("check_not_capturing", true, layer, "backward");
+  }
 }
 
 // The collectives' rows (functions/synchronization/distributed.py, which sets this once: set_row_layout).

@@ -343,7 +343,9 @@ def test_the_in_place_probes_read_what_torch_holds() -> None:
     (p * 2.0).sum().backward()
     z = Probe.apply(x)
     z.sum().backward()  # sum's backward hands an expanded gradient
-    assert seen == [True, False, False]
+    # a torch without the use counts never writes over a gradient (the probe says no)
+    sole_is_seen = hasattr(torch.Tensor, "_use_count") and hasattr(torch._C, "_storage_Use_Count")
+    assert seen == [sole_is_seen, False, False]
     assert torch_internals.has_internal_overlap(torch.ones(1).expand(3))
     assert not torch_internals.has_internal_overlap(torch.ones(3))
 
