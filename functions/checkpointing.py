@@ -100,3 +100,19 @@ def recall(where: Place | None, call: Signature) -> Statistics | None:
     with _LOCK:
         kept = _KEPT.get(where.region, {}).get(where.index)
     return kept[1] if kept is not None and kept[0] == call else None
+
+
+def attach(sync: Any, where: Place | None, call: Signature) -> None:
+    """Hand a call's :class:`~functions.synchronization.synchronizer.Synchronizer` what its place
+    says: the first run's statistics where this is the recomputation (``given``), its region, and
+    whether a failure of it may tell the ranks (not in a reentrant recomputation: the others wait
+    in its later calls, not made here yet)."""
+    sync.given = recall(where, call)
+    sync.region = None if where is None else where.region
+    sync.reports_backward_failures = where is None or not (where.recomputing and where.reentrant)
+
+
+def keeps_nodes(where: Place | None) -> bool:
+    """Whether the backward nodes of a call made here run: not those of a non-reentrant region's
+    recomputation, which only makes again the tensors that the first run's nodes saved."""
+    return where is None or not where.recomputing or where.reentrant

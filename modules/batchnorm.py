@@ -314,11 +314,7 @@ class SyncBatchNorm(_BatchNorm):
         label = handle.round.layer if handle is not None else self._label()  # the round made it already
         sync = Synchronizer.for_call(handle, group, self._process_sync, label, self.num_features, device)
         call = checkpointing.signature(self, input)
-        sync.given = checkpointing.recall(where, call)
-        recomputing = where is not None and where.recomputing
-        # a reentrant recomputation's later calls, not yet made here, are what the others wait in
-        sync.reports_backward_failures = not (recomputing and where.reentrant)
-        sync.region = None if where is None else where.region
+        checkpointing.attach(sync, where, call)
         try:
             self._check_input(input, z)
             check_not_captured(input, label)
@@ -327,7 +323,7 @@ class SyncBatchNorm(_BatchNorm):
             sync.fail(error)
             raise
         checkpointing.remember(where, call, sync.statistics())
-        if y.requires_grad and not (recomputing and not where.reentrant):  # a non-reentrant recomputation's nodes are dropped
+        if y.requires_grad and checkpointing.keeps_nodes(where):
             sync.owe_backward()
         return y
 
