@@ -46,6 +46,19 @@ shape and dtype. A kept call whose recomputation differs is not taken: it meets 
 _KEPT: "weakref.WeakKeyDictionary[object, dict[int, tuple[Signature, Statistics]]]" = weakref.WeakKeyDictionary()
 _CALLS: "weakref.WeakKeyDictionary[object, dict[Any, int]]" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()  # replicas on other threads keep theirs in their own regions
+_MIXED: "weakref.WeakSet[object]" = weakref.WeakSet()
+"""Non-reentrant regions whose first run made, while it ran, a synchronized call of another
+region or of none: their recomputation may meet the ranks again."""
+
+
+class _OpenRegions(threading.local):
+    """The non-reentrant regions whose first run is running on this thread and made a call."""
+
+    def __init__(self) -> None:
+        self.regions: list[weakref.ref] = []
+
+
+_OPEN = _OpenRegions()
 
 
 class Place(NamedTuple):
@@ -69,12 +82,15 @@ def place() -> Place | None:
     if found is None:
         found, reentrant = torch_internals.reentrant_checkpoint_region(), True
     if found is None:
+        _note_call(None)
         return None
     region, run = found
+    first_run = run == torch_internals.FIRST_RUN
+    _note_call(region if first_run and not reentrant else None)
     with _LOCK:
         calls = _CALLS.setdefault(region, {})
         index = calls[run] = calls.get(run, -1) + 1
-    return Place(region, index, run != torch_internals.FIRST_RUN, reentrant)
+    return Place(region, index, not first_run, reentrant)
 
 
 def signature(layer: object, input: Tensor) -> Signature:
@@ -104,15 +120,39 @@ def recall(where: Place | None, call: Signature) -> Statistics | None:
 
 def attach(sync: Any, where: Place | None, call: Signature) -> None:
     """Hand a call's :class:`~functions.synchronization.synchronizer.Synchronizer` what its place
-    says: the first run's statistics where this is the recomputation (``given``), its region, and
-    whether a failure of it may tell the ranks (not in a reentrant recomputation: the others wait
-    in its later calls, not made here yet)."""
+    says: the first run's statistics where this is the recomputation (``given``), and its region
+    where that is non-reentrant (whose recomputation a failure in backward may come from)."""
     sync.given = recall(where, call)
-    sync.region = None if where is None else where.region
-    sync.reports_backward_failures = where is None or not (where.recomputing and where.reentrant)
+    sync.region = None if where is None or where.reentrant else where.region
 
 
 def keeps_nodes(where: Place | None) -> bool:
-    """Whether the backward nodes of a call made here run: not those of a non-reentrant region's
-    recomputation, which only makes again the tensors that the first run's nodes saved."""
-    return where is None or not where.recomputing or where.reentrant
+    """Whether the backward nodes of a call made here surely run: those of a forward, and of a
+    reentrant region's recomputation (its backward differentiates them); not those made in any
+    other backward pass (a non-reentrant recomputation only makes again the tensors that the
+    first run's nodes saved, a region nested in it included)."""
+    if not torch_internals.in_backward_pass():
+        return True
+    return where is not None and where.recomputing and where.reentrant
+
+
+def _note_call(home: object | None) -> None:
+    """A synchronized call made in the first run of the non-reentrant region ``home`` (None: of
+    no such region): every other region whose first run is running on this thread is mixed."""
+    open_regions = []
+    for ref in _OPEN.regions:
+        region = ref()
+        if region is not None and not getattr(region, "forward_completed", True):
+            open_regions.append(ref)
+            if region is not home:
+                _MIXED.add(region)
+    if home is not None and all(ref() is not home for ref in open_regions):
+        open_regions.append(weakref.ref(home))
+    _OPEN.regions = open_regions
+
+
+def met_only_its_own(region: object) -> bool:
+    """Whether the first run of the non-reentrant ``region`` has ended having made no synchronized
+    call but its own: its recomputation, which reuses their statistics, then meets no one, and a
+    rank that fails in it knows which collective the others wait in next."""
+    return bool(getattr(region, "forward_completed", False)) and region not in _MIXED

@@ -4,11 +4,10 @@ in-place), one or two checkpoint levels (reentrant or not, early stop or not, se
 a backward with retain_graph run twice), and every output, gradient and buffer of a few SGD steps
 is compared, float64, with the same model without checkpointing: on one device, under 2-3 thread
 replicas, and across 2 Gloo ranks (a smaller draw). The named cases are the structures that
-once mixed up a recomputed call's statistics or hung the ranks."""
+once mixed up a recomputed call's statistics; failures are tests/test_checkpoint_failures.py's."""
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from syncbn import nn as NN
-from syncbn.functions import torch_internals
 from syncbn.parallel import ThreadedDataParallel
 from testkit.local_group import run_local_group
 from testkit.lockstep import state_quantities
@@ -239,88 +237,6 @@ def test_a_no_grad_call_in_a_reentrant_region_keeps_its_own_statistics() -> None
     assert run_local_group(_no_grad_call_in_a_reentrant_region, 2, timeout_s=30) == ["ok", "ok"]
 
 
-class FailingRecomputation(nn.Module):
-    """conv -> [ours -> conv -> ours, checkpointed] -> conv -> ours; ``failing`` raises an
-    out-of-memory in its recomputation on rank 1."""
-
-    def __init__(self, failing: str, rank: int) -> None:
-        super().__init__()
-        self.pre, self.a, self.conv, self.b = nn.Conv2d(C, C, 1), NN.BatchNorm2d(C), nn.Conv2d(C, C, 3, padding=1), NN.BatchNorm2d(C)
-        self.post, self.c = nn.Conv2d(C, C, 1), NN.BatchNorm2d(C)
-        target = getattr(self, failing)
-        check = target._check_input
-
-        def failing_check(input: torch.Tensor, z: torch.Tensor | None = None) -> None:
-            if rank == 1 and torch_internals.in_backward_pass():
-                raise MemoryError("out of memory in the recomputation")
-            check(input, z)
-
-        target._check_input = failing_check
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = checkpoint(lambda h: self.b(self.conv(self.a(h))), self.pre(x), use_reentrant=False)
-        return self.c(self.post(h))
-
-
-def _fail_in_a_recomputation(rank: int, world: int, failing: str) -> tuple[str, str | None, float]:
-    model = FailingRecomputation(failing, rank).to(F64)
-    x = torch.randn(3 + rank, C, 4, 4, dtype=F64)
-    start = time.monotonic()
-    try:
-        model(x).sum().backward()
-    except Exception as error:  # noqa: BLE001 (the test looks at what each rank raised)
-        cause = error.__cause__ or error.__context__
-        return f"{type(error).__name__}: {error}", None if cause is None else type(cause).__name__, time.monotonic() - start
-    return "no error", None, time.monotonic() - start
-
-
-@pytest.mark.parametrize("failing", ["a", "b"])
-def test_a_failing_recomputation_frees_every_rank_at_once(failing: str) -> None:
-    # the failing rank raises its own error; the other, waiting in a backward collective, learns
-    # of it there within a second, not after the 20 s collective timeout
-    results = run_local_group(_fail_in_a_recomputation, 2, failing, timeout_s=20)
-    (waiting, _, waited), (failed, _, failed_after) = results
-    assert failed.startswith("MemoryError: out of memory in the recomputation"), failed
-    assert "1 rank(s) of the process group failed in this backward pass" in waiting, waiting
-    assert waited < 5 and failed_after < 5, results
-
-
-class FailingReplica(nn.Module):
-    """``FailingRecomputation``'s model, whose ``failing`` layer raises in its recomputation where
-    the replica's batch has ``rows`` samples."""
-
-    def __init__(self, failing: str, rows: int) -> None:
-        super().__init__()
-        self.model = FailingRecomputation("a", rank=0)  # rank 0: not armed there; armed here per replica batch
-        self.armed = True
-        target = getattr(self.model, failing)
-        check = type(target)._check_input
-
-        def failing_check(input: torch.Tensor, z: torch.Tensor | None = None) -> None:
-            if self.armed and input.shape[0] == rows and torch_internals.in_backward_pass():
-                raise MemoryError("out of memory in the recomputation")
-            check(target, input, z)
-
-        target._check_input = failing_check
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)
-
-
-@pytest.mark.parametrize("failing", ["a", "b"])
-def test_a_failing_recomputation_frees_every_thread_replica_at_once(failing: str) -> None:
-    # 3 replicas (3, 3 and 1 rows): the one with 1 row fails; the caller gets its error, at once
-    model = FailingReplica(failing, rows=1).to(F64)
-    runner = ThreadedDataParallel(model, ["cpu"] * 3, timeout=20)
-    x = torch.randn(7, C, 4, 4, dtype=F64, requires_grad=True)
-    start = time.monotonic()
-    with pytest.raises(MemoryError, match="out of memory in the recomputation"):
-        runner(x).sum().backward()
-    assert time.monotonic() - start < 5
-    model.armed = False
-    runner(x).sum().backward()  # the next step runs clean
-
-
 def test_a_region_whose_first_run_raised_leaves_the_next_step_exact() -> None:
     # a replica raises in the region's first run: every replica raises; the next checkpointed step
     # equals the same model without checkpointing from the state the failed step left
@@ -352,34 +268,3 @@ def test_a_region_whose_first_run_raised_leaves_the_next_step_exact() -> None:
         results[name] = [y.detach(), x_here.grad, *(p.grad for p in model.parameters()), *model.buffers()]
     for got, want in zip(results["ours"], results["plain"]):
         torch.testing.assert_close(got, want, **TOL)
-
-
-def _fail_in_a_synchronized_backward(rank: int, world: int, path: str) -> tuple[str, float]:
-    import syncbn.modules.batchnorm as batchnorm
-
-    if path == "python":
-        batchnorm.native_serves = lambda: False  # this process only: the autograd Function's path
-    torch.manual_seed(0)
-    conv, bn, head = nn.Conv2d(C, C, 1), NN.BatchNorm2d(C), NN.BatchNorm2d(C)
-    model = nn.Sequential(conv, bn, head).to(F64)
-    h = conv(torch.randn(3 + rank, C, 4, 4, dtype=F64))
-    y = head(bn(h))
-    if rank == 1:
-        with torch.no_grad():
-            h.add_(1)  # bn's saved input changed: its backward raises before its all_reduce
-    start = time.monotonic()
-    try:
-        y.sum().backward()
-    except Exception as error:  # noqa: BLE001 (the test looks at what each rank raised)
-        return f"{type(error).__name__}: {error}", time.monotonic() - start
-    return "no error", time.monotonic() - start
-
-
-@pytest.mark.parametrize("path", ["native", "python"])
-def test_a_failing_synchronized_backward_frees_every_rank_at_once(path: str) -> None:
-    # rank 1's backward of the first layer fails before its all_reduce; rank 0, waiting in that
-    # all_reduce, learns of it there at once, not after the 20 s collective timeout
-    (waiting, waited), (failed, failed_after) = run_local_group(_fail_in_a_synchronized_backward, 2, path, timeout_s=20)
-    assert "modified by an inplace operation" in failed, failed
-    assert "1 rank(s) of the process group failed in this backward pass" in waiting, waiting
-    assert waited < 5 and failed_after < 5

@@ -46,6 +46,7 @@ with the failed identity.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Sequence, TypeVar
@@ -54,7 +55,7 @@ import torch
 from torch import Tensor
 
 from . import checks, distributed
-from .. import devices, stats, torch_internals
+from .. import checkpointing, devices, stats, torch_internals
 from ..operators import reference
 from .distributed import (
     ProcessGroupCall, ProcessGroupSync, all_gather_stats, all_reduce_sums, report_backward_failure, report_failure,
@@ -87,12 +88,10 @@ class Synchronizer:
         self.channels, self.device = channels, device
         self.count: int | Tensor | None = None
         self._joined_collective = False
-        self._joined_backward = False
-        self.reports_backward_failures = True
-        """Whether a failure of this recomputation tells the ranks: not in a reentrant checkpoint's,
-        whose later calls, not yet made here, the others wait in."""
+        self._owed = False  # its forward made a node whose backward meets the ranks
+        self._joined_pass = -2  # the backward pass whose all_reduce it joined (-2: none)
         self.region: object | None = None
-        """The checkpointed region (frame or node) this call runs in, if any."""
+        """The non-reentrant checkpointed region (its frame) this call runs in, if any."""
         self.native: tuple | None = None  # the native path's process master: distributed.native_ranks
         self.normalization: tuple[Tensor, Tensor] | None = None
         """This replica's (mean, invstd) once the forward has made them."""
@@ -172,7 +171,7 @@ class Synchronizer:
         (one all_reduce of both as one row), or themselves without a process group."""
         if self.process_call is None:
             return sum_dy, sum_dy_xmu
-        self._joined_backward = True
+        self._joined_pass = torch_internals.current_graph_task_id()
         return all_reduce_sums(sum_dy, sum_dy_xmu, self.process_call)
 
     def gather_rows(self, row: Tensor) -> Tensor:
@@ -196,7 +195,7 @@ class Synchronizer:
 
     def reduce_row(self, row: Tensor) -> None:
         """The native path's all_reduce of its backward ``row``, in place."""
-        self._joined_backward = True
+        self._joined_pass = torch_internals.current_graph_task_id()
         distributed.all_reduce_row(row, self.process_call)
 
     def judge_summed(self, row: Tensor) -> None:
@@ -234,37 +233,47 @@ class Synchronizer:
         region :attr:`region` (if any): where a recomputation of that region fails, the failure is
         told through the latest such call's collective (:meth:`fail_backward`)."""
         if self.process_call is not None:
+            self._owed = True
             OWED.add(self)
 
     def fail(self, error: BaseException) -> None:
         """This replica failed during the call: release the other replicas of its round, and tell
         the other ranks through the collective they wait in: the forward's, where this process
         has not joined it yet, else, in a backward pass, the one :meth:`fail_backward` finds.
-        Checkpoint's stop of a recomputation is control flow, not a failure."""
+        Checkpoint's stop of a recomputation is control flow, not a failure. An error in telling
+        them is reported, not raised: ``error`` is the one the caller raises."""
         if torch_internals.is_checkpoint_stop(error):
             return
         if self.replica_call is not None:
             self.replica_call.round.abort(error, self.replica_call.index)
         if self.process_call is None or not isinstance(error, Exception):
             return
-        if not self._joined_collective and self.given is None:
-            self._joined_collective = True
-            report_failure(self.process_call, self.channels, self.device)
-        else:
-            self.fail_backward()
+        try:
+            if not self._joined_collective and self.given is None:
+                self._joined_collective = True
+                report_failure(self.process_call, self.channels, self.device)
+            else:
+                self.fail_backward()
+        except Exception:  # noqa: BLE001
+            sys.unraisablehook(sys.UnraisableHookArgs(*sys.exc_info(), "syncbn: telling the other ranks of a failure", None))
 
     def fail_backward(self) -> None:
         """This call failed in a backward pass (the native backward calls this too): tell the other
-        ranks in the collective they are certain to wait in, once per backward pass: this call's
-        backward all_reduce where it has not joined it, or, for the recomputation of a
-        non-reentrant region, the latest owed call of that region (the engine runs a graph's nodes
-        in reverse order of their making). Elsewhere nothing is certain: no report, and the others
+        ranks in the collective they are certain to wait in, once per backward pass. Outside a
+        non-reentrant checkpointed region, that is this call's own backward all_reduce, where it
+        owes it in this pass. Inside one, the failure may come from the region's recomputation
+        (this call's, or the one its backward's unpacking started), which others may still be
+        running: only where the region's first run met no one but its own calls
+        (:func:`functions.checkpointing.met_only_its_own`), so that its recomputation meets no
+        one, is it the latest call of the region still owed (the engine runs a graph's nodes in
+        reverse order of their making). Elsewhere nothing is certain: no report, and the others
         wait for the collective timeout."""
         if self.process_call is None or not torch_internals.in_backward_pass():
             return
-        if self.given is None:
-            OWED.report_failure(self if not self._joined_backward else None)
-        elif self.reports_backward_failures and self.region is not None:
+        if self.region is None:
+            if _owes(self):
+                OWED.report_failure(self)
+        elif checkpointing.met_only_its_own(self.region):
             OWED.report_failure(OWED.latest_in(self.region))
 
 
@@ -303,13 +312,15 @@ class OwedBackwards:
             if sync is None or backward_pass == self._reported_pass or not _owes(sync):
                 return
             self._reported_pass = backward_pass
-            sync._joined_backward = True
+            sync._joined_pass = backward_pass
         assert sync.process_call is not None
         report_backward_failure(sync.process_call, sync.channels, sync.device)
 
 
 def _owes(sync: Synchronizer | None) -> bool:
-    return sync is not None and not sync._joined_backward
+    """Whether ``sync``'s backward all_reduce is still owed in the running backward pass (every
+    pass of a graph kept with ``retain_graph`` owes it again)."""
+    return sync is not None and sync._owed and sync._joined_pass != torch_internals.current_graph_task_id()
 
 
 OWED = OwedBackwards()
