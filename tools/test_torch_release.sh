@@ -16,4 +16,4 @@ build_tree "$ENV"
 cd "$ENV/tree"
 "$ENV/bin/python" test.py
 "$ENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_torch_internals.py tests/test_checkpoint.py \
-    tests/test_checkpoint_generated.py tests/test_replicas.py
+    tests/test_checkpoint_generated.py tests/test_checkpoint_failures.py tests/test_replicas.py
