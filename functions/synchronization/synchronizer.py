@@ -38,10 +38,10 @@ replicas of the round are released at once (they raise instead of waiting), and 
 that has not yet joined the forward's collective joins it with a failed flag, so that the other
 ranks raise too rather than wait for the collective's timeout. An error in a backward pass (a
 synchronized backward, or a checkpoint's recomputation that reuses its statistics and so joins no
-forward collective) is told to the other ranks in the collective they are certain to wait in: the
-failed call's own backward all_reduce, or, for a recomputation, that of the region's latest call
-whose backward this process still owes (:class:`OwedBackwards`), joined once per backward pass
-with the failed identity.
+forward collective) is told to the other ranks in the collective they are certain to wait in, if
+any (:meth:`Synchronizer.fail_backward`): the failed call's own backward all_reduce, or that of its
+checkpointed region's latest call whose backward this process still owes (:class:`OwedBackwards`),
+joined once per backward pass with the failed identity.
 """
 from __future__ import annotations
 
@@ -279,29 +279,27 @@ class Synchronizer:
 
 class OwedBackwards:
     """The synchronized calls of this process whose backward collective is still owed (their node
-    alive, their all_reduce not joined), in the order of their forwards, with the checkpointed
-    region each ran in."""
+    alive, their all_reduce not joined), in the order of their forwards."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._calls: list[tuple[weakref.ref[Synchronizer], int | None]] = []
+        self._calls: list[weakref.ref[Synchronizer]] = []
         self._prune_at = 64
         self._reported_pass = -1
 
     def add(self, sync: Synchronizer) -> None:
-        region = None if sync.region is None else id(sync.region)  # alive while its graph is
         with self._lock:
-            self._calls.append((weakref.ref(sync), region))
+            self._calls.append(weakref.ref(sync))
             if len(self._calls) >= self._prune_at:
-                self._calls = [(ref, where) for ref, where in self._calls if _owes(ref())]
+                self._calls = [ref for ref in self._calls if _owes(ref())]
                 self._prune_at = 2 * len(self._calls) + 64
 
     def latest_in(self, region: object) -> Synchronizer | None:
         """The latest call still owed that ran in ``region``."""
         with self._lock:
-            for ref, where in reversed(self._calls):
+            for ref in reversed(self._calls):
                 sync = ref()
-                if where == id(region) and _owes(sync):
+                if sync is not None and sync.region is region and _owes(sync):
                     return sync
         return None
 
