@@ -142,7 +142,7 @@ def _note_call(home: object | None) -> None:
     open_regions = []
     for ref in _OPEN.regions:
         region = ref()
-        if region is not None and not getattr(region, "forward_completed", True):
+        if region is not None and not torch_internals.checkpoint_first_run_ended(region):
             open_regions.append(ref)
             if region is not home:
                 _MIXED.add(region)
@@ -155,4 +155,4 @@ def met_only_its_own(region: object) -> bool:
     """Whether the first run of the non-reentrant ``region`` has ended having made no synchronized
     call but its own: its recomputation, which reuses their statistics, then meets no one, and a
     rank that fails in it knows which collective the others wait in next."""
-    return bool(getattr(region, "forward_completed", False)) and region not in _MIXED
+    return torch_internals.checkpoint_first_run_ended(region) and region not in _MIXED

@@ -384,3 +384,18 @@ def test_the_device_assert_and_pytree_are_torch_own() -> None:
     assert len(leaves) == 3
     rebuilt = torch_internals.tree_unflatten(leaves, structure)
     assert rebuilt["x"][1][0] == 2 and rebuilt["x"][0] is leaves[0]
+
+
+def test_a_nonreentrant_regions_first_run_is_seen_to_end() -> None:
+    # open while the region's first run runs, ended after it; anything else is never ended
+    seen: list = []
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        frame = torch_internals.nonreentrant_checkpoint_region()[0]
+        seen.append((frame, torch_internals.checkpoint_first_run_ended(frame)))
+        return x.sin()
+
+    checkpoint(region, torch.randn(3, requires_grad=True), use_reentrant=False)
+    frame, during = seen[0]
+    assert not during and torch_internals.checkpoint_first_run_ended(frame)
+    assert not torch_internals.checkpoint_first_run_ended(object())
