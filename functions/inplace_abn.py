@@ -13,65 +13,34 @@ in one exchange with batch statistics; then (``abn_backward_elemt``)
     dx = dz * gamma * invstd                                              (fixed statistics),
 grad_weight = sign(weight) * local sum_xhat_dz (+1 where weight is 0), grad_bias = local sum_dz.
 
-The replicas and ranks meet through the :class:`~functions.synchronization.synchronizer.Synchronizer` as the
-autograd Function of :mod:`functions.sync_batchnorm` does (at the native round, one replica
-doing every replica's work: :meth:`~functions.synchronization.synchronizer.Synchronizer.on_master`), with the same statistics
-(:func:`~functions.sync_batchnorm.normalization_every_replica`) and sums
-(:func:`~functions.sync_batchnorm.global_sums`).
+The autograd Function here is the math on one device; a synchronized call runs the same math
+natively (:meth:`functions.synchronization.synchronizer.Synchronizer.inplace_abn`,
+``src/sync_batch_norm.cpp``).
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.autograd.function import Function
 
-from .synchronization import checks
-from . import devices, torch_internals
+from . import torch_internals
 from .operators import reference
 from .operators.ops import OVERLOADS
 from .operators.reference import accumulation_dtype, in_dtype, memory_format_of, values_per_channel
 from .operators.reference_abn import ABN_ACTIVATIONS
 from .stats import LocalStats, Running, check_values_per_channel, merge, update_running_stats
-from .sync_batchnorm import global_sums, normalization_every_replica
-from .synchronization.synchronizer import Synchronizer, check_not_captured
-
-
-class _ForwardPart(NamedTuple):
-    """One replica's share of an in-place forward: the input written over, its (replica's)
-    parameters, its stream."""
-
-    x: Tensor
-    weight: Tensor | None
-    bias: Tensor | None
-    stream: "torch.cuda.Stream | None"
-
-
-class _BackwardPart(NamedTuple):
-    """One replica's share of an in-place backward: its output, the output's gradient, its
-    invstd and parameters, and which gradients it wants (input, weight, bias)."""
-
-    y: Tensor
-    dy: Tensor
-    invstd: Tensor
-    weight: Tensor | None
-    bias: Tensor | None
-    wants: tuple[bool, bool, bool]
-    stream: "torch.cuda.Stream | None"
-    dy_is_ours: bool
-    """Whether dy may be written over (the input gradient takes its storage)."""
+from .synchronization.synchronizer import Synchronizer
 
 
 class InPlaceABNFunction(Function):
-    """In-place activated batch norm (see the module docstring).
+    """In-place activated batch norm on one device (see the module docstring).
 
     ``apply(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
-    activation, activation_param, batch_stats, sync, layer)`` writes the result over ``x``
+    activation, activation_param, batch_stats, layer)`` writes the result over ``x``
     (``(N, C, *)``, laid out contiguous or channels_last) and returns it. With ``batch_stats``
-    the statistics are the batch's (over every replica and rank with a ``sync``), and the running
-    statistics (when given) are updated once; without, they are ``running_mean`` and
-    ``running_var``, fixed. ``layer`` names the layer in errors."""
+    the statistics are the batch's, and the running statistics (when given) are updated once;
+    without, they are ``running_mean`` and ``running_var``, fixed. ``layer`` names the layer in
+    errors."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -87,62 +56,47 @@ class InPlaceABNFunction(Function):
         activation: str,
         activation_param: float,
         batch_stats: bool,
-        sync: Synchronizer | None,
         layer: str,
     ) -> Tensor:
         act = (eps, activation, activation_param)
-        running = (running_mean, running_var, num_batches_tracked, momentum)
-        if not batch_stats:
-            mean, invstd = _fixed_normalization(running_mean, running_var, eps, x.dtype)  # type: ignore[arg-type]
-            OVERLOADS.abn_forward_(x, mean, invstd, weight, bias, *act)
-        elif sync is None:
-            mean, invstd = _lone_normalization(x, running, eps, layer)
-            OVERLOADS.abn_forward_(x, mean, invstd, weight, bias, *act)
-        elif sync.given is not None:  # a checkpoint's recomputation: the statistics met already
-            mean, invstd, sync.count = sync.given
-            OVERLOADS.abn_forward_(x, mean, invstd, weight, bias, *act)
-            sync.normalization = mean, invstd
+        if batch_stats:
+            mean, invstd = _batch_normalization(x, (running_mean, running_var, num_batches_tracked, momentum), eps, layer)
         else:
-            part = _ForwardPart(x, weight, bias, sync.stream_for(x.device))
-            sync.normalization = sync.on_master("forward", part, lambda parts: _forward_every_replica(parts, sync, running, act))
-            invstd = sync.normalization[1]
+            mean, invstd = _fixed_normalization(running_mean, running_var, eps, x.dtype)  # type: ignore[arg-type]
+        OVERLOADS.abn_forward_(x, mean, invstd, weight, bias, *act)
         ctx.mark_dirty(x)
         ctx.save_for_backward(x, invstd, weight, bias)
-        ctx.act, ctx.batch_stats, ctx.sync, ctx.layer = act, batch_stats, sync, layer
+        ctx.act, ctx.batch_stats, ctx.layer = act, batch_stats, layer
         return x
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):  # type: ignore[override]
-        ctx.grad_is_ours = torch_internals.held_by_this_backward_alone(grad_output)  # first: it counts references
-        try:
-            if torch.is_grad_enabled():
-                raise RuntimeError(
-                    f"{ctx.layer}: double backward (create_graph=True) through an in-place activated batch norm "
-                    "is not supported (its backward recovers the input from the output); use ABN"
-                )
-            grads = InPlaceABNFunction._backward(ctx, grad_output)
-        except BaseException as error:
-            if ctx.sync is not None:
-                ctx.sync.fail(error)
-            raise
-        return (*grads, *([None] * 10))
-
-    @staticmethod
-    def _backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        sync = ctx.sync
-        if sync is not None:
-            checks.read_when_backward_ends()  # the forward's deferred verdicts, if any
+        grad_is_ours = torch_internals.held_by_this_backward_alone(grad_output)  # first: it counts references
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{ctx.layer}: double backward (create_graph=True) through an in-place activated batch norm "
+                "is not supported (its backward recovers the input from the output); use ABN"
+            )
         y, invstd, weight, bias = ctx.saved_tensors
-        if sync is not None:
-            check_not_captured(y, ctx.layer, "backward")
         dy = grad_output.contiguous(memory_format=memory_format_of(y))
-        needs = ctx.needs_input_grad
-        wants = (needs[0], weight is not None and needs[1], bias is not None and needs[2])
-        stream = None if sync is None else sync.stream_for(y.device)
-        dy_is_ours = dy is not grad_output or (ctx.grad_is_ours and dy.dtype == y.dtype)
-        part = _BackwardPart(y, dy, invstd, weight, bias, wants, stream, dy_is_ours)
-        work = lambda parts: _backward_every_replica(parts, ctx.act, ctx.batch_stats, sync)  # noqa: E731
-        return work([part])[0] if sync is None else sync.on_master("backward", part, work)
+        wants_input, wants_weight, wants_bias = ctx.needs_input_grad[:3]
+        sum_dz = sum_xhat_dz = None
+        if (wants_input and ctx.batch_stats) or wants_weight or wants_bias:
+            sum_dz, sum_xhat_dz = OVERLOADS.abn_backward_reduce(y, dy, weight, bias, *ctx.act)
+        grad_input = grad_weight = grad_bias = None
+        if wants_input:
+            totals = (sum_dz, sum_xhat_dz, values_per_channel(y)) if ctx.batch_stats else (None, None, 0)
+            operands = (invstd, weight, bias, *ctx.act, *totals)
+            if dy is not grad_output or (grad_is_ours and dy.dtype == y.dtype):  # one full-size tensor less at the peak
+                OVERLOADS.abn_backward_elemt_(dy, y, *operands)
+                grad_input = dy
+            else:
+                grad_input = OVERLOADS.abn_backward_elemt(y, dy, *operands)
+        if weight is not None and wants_weight:
+            grad_weight = in_dtype(torch.where(weight < 0, -sum_xhat_dz, sum_xhat_dz), weight.dtype)
+        if bias is not None and wants_bias:
+            grad_bias = in_dtype(sum_dz, bias.dtype)  # type: ignore[arg-type]
+        return grad_input, grad_weight, grad_bias, *([None] * 9)
 
 
 def _fixed_normalization(running_mean: Tensor, running_var: Tensor, eps: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -151,82 +105,14 @@ def _fixed_normalization(running_mean: Tensor, running_var: Tensor, eps: float, 
     return in_dtype(running_mean, acc), torch.rsqrt(running_var.to(acc) + eps)
 
 
-def _lone_normalization(x: Tensor, running: Running, eps: float, layer: str) -> tuple[Tensor, Tensor]:
-    """A lone replica's batch statistics, the running statistics updated: (mean, invstd)."""
+def _batch_normalization(x: Tensor, running: Running, eps: float, layer: str) -> tuple[Tensor, Tensor]:
+    """The batch's statistics, the running statistics updated: (mean, invstd)."""
     count = values_per_channel(x)
     check_values_per_channel(count, layer, [x.shape])
     mean, m2 = OVERLOADS.local_stats(x)
     count, mean, var = merge([LocalStats(count, mean, m2, x.dtype, x.shape)])
     update_running_stats(running, mean, var, count)
     return reference.normalization(mean, var, eps, accumulation_dtype(x.dtype))
-
-
-def _forward_every_replica(
-    parts: list[_ForwardPart],
-    sync: Synchronizer,
-    running: Running,
-    act: tuple[float, str, float],
-) -> list[tuple[Tensor, Tensor]]:
-    """On the master: the statistics over every replica and rank, then every part's input
-    written over on its stream. Returns each part's (mean, invstd)."""
-    normalizations = normalization_every_replica(parts, sync, act[0], running)
-    for part, (mean, invstd) in zip(parts, normalizations):
-        with devices.on_stream(part.stream):
-            OVERLOADS.abn_forward_(part.x, mean, invstd, part.weight, part.bias, *act)
-    return normalizations
-
-
-def _backward_every_replica(
-    parts: list[_BackwardPart], act: tuple[float, str, float], batch_stats: bool, sync: Synchronizer | None
-) -> list[tuple[Tensor | None, Tensor | None, Tensor | None]]:
-    """On the master, for every replica's part: its local (sum_dz, sum_xhat_dz) from y and dy;
-    with batch statistics those summed over the replicas and ranks; each part's input gradient,
-    and its weight and bias gradients from its own sums. Returns the three gradients per part
-    (None where not wanted)."""
-    needs_sums = any(any(part.wants) for part in parts) and (batch_stats or any(any(part.wants[1:]) for part in parts))
-    local = []
-    for part in parts:
-        with devices.on_stream(part.stream):
-            if needs_sums:
-                sum_dz, sum_xhat_dz = OVERLOADS.abn_backward_reduce(part.y, part.dy, part.weight, part.bias, *act)
-                ready = None if part.stream is None else devices.mark_ready(sum_xhat_dz)
-            else:
-                sum_dz = sum_xhat_dz = ready = None
-        local.append((None, sum_dz, sum_xhat_dz, ready))
-    totals = None
-    if batch_stats and any(part.wants[0] for part in parts):
-        totals = global_sums(local, values_per_channel(parts[0].y) if sync is None else None, sync, parts[0].stream)
-    return [_part_grads(part, sums, totals, act) for part, sums in zip(parts, local)]
-
-
-def _part_grads(part: _BackwardPart, sums: tuple, totals: tuple | None, act: tuple[float, str, float]):
-    """One part's (grad_input, grad_weight, grad_bias) from its own sums and the totals."""
-    _, sum_dz, sum_xhat_dz, _ = sums
-    wants_input, wants_weight, wants_bias = part.wants
-    with devices.on_stream(part.stream):
-        grad_input = None
-        if wants_input:
-            total_dz = total_xhat_dz = None
-            count = 0
-            if totals is not None:
-                total_dz, total_xhat_dz, count, ready = totals
-                total_dz = devices.fetch(total_dz, part.y.device, ready)
-                total_xhat_dz = devices.fetch(total_xhat_dz, part.y.device, ready)
-            operands = (part.invstd, part.weight, part.bias, *act, total_dz, total_xhat_dz, count)
-            if part.dy_is_ours:  # one full-size tensor less at the backward's peak
-                OVERLOADS.abn_backward_elemt_(part.dy, part.y, *operands)
-                grad_input = part.dy
-            else:
-                grad_input = OVERLOADS.abn_backward_elemt(part.y, part.dy, *operands)
-        grad_weight = grad_bias = None
-        if wants_weight:
-            assert part.weight is not None and sum_xhat_dz is not None
-            signed = torch.where(part.weight < 0, -sum_xhat_dz, sum_xhat_dz)
-            grad_weight = in_dtype(signed, part.weight.dtype)
-        if wants_bias:
-            assert part.bias is not None and sum_dz is not None
-            grad_bias = in_dtype(sum_dz, part.bias.dtype)
-    return grad_input, grad_weight, grad_bias
 
 
 def inplace_abn(
@@ -257,7 +143,9 @@ def inplace_abn(
     per channel (over every replica and rank with a ``sync``), and the running statistics, when
     given, are updated once with the unbiased variance (``momentum`` None: the cumulative
     average over ``num_batches_tracked``, which counts the calls); without, they are the
-    running statistics. ``activation``: ``"leaky_relu"`` (slope ``activation_param`` > 0),
+    running statistics. ``sync`` (a :class:`~functions.synchronization.synchronizer.Synchronizer`,
+    which a layer builds for each call) takes the batch statistics over every replica and rank
+    (:meth:`~functions.synchronization.synchronizer.Synchronizer.inplace_abn`). ``activation``: ``"leaky_relu"`` (slope ``activation_param`` > 0),
     ``"elu"`` (alpha ``activation_param`` > 0) or ``"identity"``.
     """
     if activation not in ABN_ACTIVATIONS:
@@ -266,7 +154,12 @@ def inplace_abn(
         raise ValueError(f"{layer}: fixed statistics (training=False) need running_mean and running_var")
     if not (torch.compiler.is_compiling() or torch_internals.functorch_transforms_active() or torch.is_inference_mode_enabled()):
         torch_internals.sole_references()  # measured once, here rather than inside a backward
+    if sync is not None:
+        if not training:
+            raise ValueError(f"{layer}: a synchronized call takes batch statistics (training=True)")
+        running = (running_mean, running_var, num_batches_tracked, momentum)
+        return sync.inplace_abn(x, weight, bias, running, eps, activation, float(activation_param))
     return InPlaceABNFunction.apply(
         x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, activation,
-        float(activation_param), training, sync, layer,
+        float(activation_param), training, layer,
     )

@@ -209,6 +209,11 @@ def at_backward_end(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+def is_functorch_wrapped(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a torch.func transform's wrapper (a vmap batch, a grad level)."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+
+
 def functorch_transforms_active() -> bool:
     """Whether a torch.func transform (vmap, grad, jvp) is running."""
     return torch._C._are_functorch_transforms_active()

@@ -12,13 +12,13 @@ from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..functions import checkpointing, frozen_batch_norm, sync_batch_norm, torch_internals
-from ..functions.sync_batchnorm import native_serves, native_sync_batch_norm
 from ..functions.synchronization.traced_ranks import traced_sync_batch_norm
 from ..functions.operators.lone_replica import takes_our_kernels
 from ..functions.synchronization.distributed import ProcessGroupSync, active_process_group, consecutive_rank_groups
 from ..functions.operators.reference import values_per_channel
 from ..functions.stats import check_values_per_channel
-from ..functions.synchronization.synchronizer import Synchronizer, check_not_captured
+from ..functions.operators import backend
+from ..functions.synchronization.synchronizer import Synchronizer, check_not_captured, check_not_transformed
 from ..functions.synchronization.replicas import (
     REPLICA_ATTR, ReplicaHandle, RoundTracker, in_recomputation, resolve_timeout, warn_if_data_parallel_meets_no_one,
 )
@@ -237,30 +237,40 @@ class SyncBatchNorm(_BatchNorm):
         return self._forward(input, z)
 
     def _forward(self, input: Tensor, z: Tensor | None) -> Tensor:
-        """The one place where a call picks its path."""
+        """The one place where a call picks its path, in the words of torch's ``need_sync``: fixed
+        statistics; batch statistics met with no one (lone), with other replicas and/or ranks
+        (synced), or with ranks alone in traced code (traced)."""
         if not self._uses_batch_stats():
             return self._forward_fixed_stats(input, z)
         self._check_batch_eps()
         meeting = self._meeting()
-        if meeting is not None:
-            handle, group = meeting
-            if handle is None and torch.compiler.is_compiling():
-                return self._forward_traced(input, z, group)
-            return self._forward_synced(input, z, handle, group)
+        if meeting is None:
+            return self._forward_lone(input, z)
+        handle, group = meeting
+        if handle is None and self._traces(input):
+            return self._forward_traced(input, z, group)
+        return self._forward_synced(input, z, handle, group)
+
+    def _traces(self, input: Tensor) -> bool:
+        """Whether ranks alone meet in traced code: while compiling, and eagerly where the compiled
+        module that runs the synchronized calls is not loaded."""
+        return torch.compiler.is_compiling() or backend.NATIVE_ROUNDS is None
+
+    def _forward_lone(self, input: Tensor, z: Tensor | None) -> Tensor:
+        """Batch statistics of this input alone: torch's own batch norm where ours is not clearly
+        faster (:mod:`functions.operators.lone_replica`), else our Function."""
         self._check_input(input, z)
         if not self._lone_call_checked and not torch.compiler.is_compiling():
             self._lone_call_checked = True
             warn_if_data_parallel_meets_no_one()
-        # torch's own batch norm where ours is not clearly faster (functions/operators/lone_replica.py);
         # not for the cumulative average (momentum=None), whose factor torch reads on the host (a
-        # sync on CUDA, and a value that torch.compile(fullgraph=True) and torch.export cannot
-        # trace), and ours does not
+        # sync on CUDA, and a value that torch.compile(fullgraph=True) and torch.export cannot trace)
         takes_torch_kernels = self.momentum is not None and not takes_our_kernels(input, fixed_stats=False)
         if takes_torch_kernels:
             if values_per_channel(input) == 1:  # the label is made only then: this is the hot path
                 check_values_per_channel(1, self._label(), [input.shape])
             return self._activate(self._torch_batch_norm_train(input), z)
-        return self._batch_stats(sync_batch_norm, input, z, sync=None)
+        return self._batch_stats(sync_batch_norm, input, z)
 
     def _running_state(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """(running_mean, running_var, num_batches_tracked) that a call with batch statistics
@@ -317,6 +327,7 @@ class SyncBatchNorm(_BatchNorm):
         checkpointing.attach(sync, where, call)
         try:
             self._check_input(input, z)
+            check_not_transformed(input, label)
             check_not_captured(input, label)
             y = self._synced(input, z, sync)
         except BaseException as error:
@@ -328,21 +339,19 @@ class SyncBatchNorm(_BatchNorm):
         return y
 
     def _forward_traced(self, input: Tensor, z: Tensor | None, group: Any) -> Tensor:
-        """Ranks alone (no replicas in the process) under torch.compile: the exchange as
-        functional collectives in the graph (:mod:`functions.synchronization.traced_ranks`), no graph break."""
+        """Ranks alone (no replicas in the process) in traced code: the exchange as functional
+        collectives (:mod:`functions.synchronization.traced_ranks`), no graph break."""
         self._check_input(input, z)
         return self._batch_stats(traced_sync_batch_norm, input, z, group=group)
 
     def _synced(self, input: Tensor, z: Tensor | None, sync: Synchronizer) -> Tensor:
-        """The synchronized call itself, its input checked: natively where the compiled module
-        serves, else (and with statistics given) through the autograd Function."""
-        function = native_sync_batch_norm if native_serves() and sync.given is None else sync_batch_norm
-        return self._batch_stats(function, input, z, sync.layer, sync=sync)
+        """The synchronized call itself, its input checked, run natively by ``sync``."""
+        running = self._running_state()
+        return sync.batch_norm(input, self.weight, self.bias, (*running, self.momentum), self.eps, z, self._negative_slope())
 
-    def _batch_stats(self, function: Any, input: Tensor, z: Tensor | None, label: str | None = None, **meeting: Any) -> Tensor:
-        """``function`` (:func:`~functions.sync_batch_norm` or
-        :func:`~functions.sync_batchnorm.native_sync_batch_norm`) on this layer's state, with
-        ``meeting`` (its ``sync``); ``label``: :meth:`_label`, where the caller made it already."""
+    def _batch_stats(self, function: Any, input: Tensor, z: Tensor | None, **meeting: Any) -> Tensor:
+        """``function`` (:func:`~functions.sync_batch_norm`, or the traced one with ``meeting``'s
+        ``group``) on this layer's state."""
         running_mean, running_var, num_batches_tracked = self._running_state()
         return function(
             input,
@@ -353,7 +362,7 @@ class SyncBatchNorm(_BatchNorm):
             self.momentum,
             self.eps,
             num_batches_tracked=num_batches_tracked,
-            layer=label if label is not None else self._label(),
+            layer=self._label(),
             residual=z,
             negative_slope=self._negative_slope(),
             **meeting,

@@ -151,19 +151,20 @@ class InPlaceABN(ABN):
             raise TypeError(f"{self._label()}: an in-place activated batch norm takes no residual z")
         self._check_input(input)
         self._check_writable(input)
-        if not self._uses_batch_stats():
-            return self._inplace(input, None, batch_stats=False)
-        self._check_batch_eps()
-        meeting = self._meeting()
-        if meeting is not None:
-            handle, group = meeting
-            if handle is None and torch.compiler.is_compiling() and input.is_contiguous(memory_format=memory_format_of(input)):
-                return self._inplace_traced(input, group)
-            return self._forward_synced(input, None, handle, group)
-        return self._inplace(input, None, batch_stats=True)
+        return self._forward(input, None)
 
-    def _inplace_traced(self, input: Tensor, group: Any) -> Tensor:
-        """Ranks alone under torch.compile: the exchange in the graph (:mod:`functions.synchronization.traced_ranks`)."""
+    def _forward_fixed_stats(self, input: Tensor, z: Tensor | None) -> Tensor:
+        return self._inplace(input, batch_stats=False)
+
+    def _forward_lone(self, input: Tensor, z: Tensor | None) -> Tensor:
+        return self._inplace(input, batch_stats=True)
+
+    def _traces(self, input: Tensor) -> bool:
+        # the traced in-place kernels take the two layouts only; other inputs meet eagerly
+        return super()._traces(input) and input.is_contiguous(memory_format=memory_format_of(input))
+
+    def _forward_traced(self, input: Tensor, z: Tensor | None, group: Any) -> Tensor:
+        """Ranks alone in traced code: the exchange as functional collectives (:mod:`functions.synchronization.traced_ranks`)."""
         running_mean, running_var, num_batches_tracked = self._running_state()
         return traced_inplace_abn(
             input, self.weight, self.bias, running_mean, running_var, self.momentum, self.eps, self.activation,
@@ -183,10 +184,11 @@ class InPlaceABN(ABN):
             )
 
     def _synced(self, input: Tensor, z: Tensor | None, sync: Synchronizer) -> Tensor:
-        return self._inplace(input, sync, batch_stats=True)
+        running = (*self._running_state(), self.momentum)
+        return sync.inplace_abn(input, self.weight, self.bias, running, self.eps, self.activation, self.activation_param)
 
-    def _inplace(self, input: Tensor, sync: Synchronizer | None, batch_stats: bool) -> Tensor:
-        # batch statistics update the running ones (_running_state); fixed ones are read
+    def _inplace(self, input: Tensor, batch_stats: bool) -> Tensor:
+        """On this input alone: batch statistics update the running ones (_running_state); fixed ones are read."""
         running_mean, running_var, num_batches_tracked = (
             self._running_state() if batch_stats else (self.running_mean, self.running_var, None))
         return inplace_abn(
@@ -201,7 +203,6 @@ class InPlaceABN(ABN):
             self.activation,
             self.activation_param,
             num_batches_tracked=num_batches_tracked,
-            sync=sync,
             layer=self._label(),
         )
 

@@ -25,6 +25,7 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/extension.h>
 
@@ -84,6 +85,20 @@ struct Operators {
       const at::Tensor&, int64_t, int64_t, std::optional<int64_t>, const OptTensor&, const OptTensor&, const OptTensor&,
       std::optional<double>);
   c10::TypedOperatorHandle<MergeGathered> merge_gathered_stats = op<MergeGathered>("syncbn::merge_gathered_stats");
+  using AbnForward = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
+                          double, c10::string_view, double);
+  c10::TypedOperatorHandle<AbnForward> abn_forward_ = op<AbnForward>("syncbn::abn_forward_");
+  using AbnReduce = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                                        const OptTensor&, double, c10::string_view, double);
+  c10::TypedOperatorHandle<AbnReduce> abn_backward_reduce = op<AbnReduce>("syncbn::abn_backward_reduce");
+  using AbnElemt = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
+                              const OptTensor&, double, c10::string_view, double, const OptTensor&, const OptTensor&,
+                              c10::SymInt);
+  c10::TypedOperatorHandle<AbnElemt> abn_backward_elemt = op<AbnElemt>("syncbn::abn_backward_elemt");
+  using AbnElemtInPlace = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
+                               const OptTensor&, double, c10::string_view, double, const OptTensor&, const OptTensor&,
+                               c10::SymInt);
+  c10::TypedOperatorHandle<AbnElemtInPlace> abn_backward_elemt_ = op<AbnElemtInPlace>("syncbn::abn_backward_elemt_");
 };
 
 const Operators& ops() {
@@ -328,6 +343,17 @@ class Ranks {
   pybind11::object count(int64_t process) const {
     if (device_count_.defined()) return pybind11::cast(device_count_);
     return pybind11::int_(sync_ ? count_ : process);
+  }
+
+  // The count that a checkpoint's first run returned (count()), for its recomputation's backward:
+  // an int, returned, or the device total (then 1: the sums are divided by it).
+  int64_t take_count(pybind11::handle count) {
+    if (THPVariable_Check(count.ptr())) {
+      device_count_ = THPVariable_Unpack(count.ptr());
+      return 1;
+    }
+    count_ = count.cast<int64_t>();
+    return count_;
   }
 
   // (mean, var) over every rank, from this process's (count, mean, M2) of an input of `sizes`:
@@ -653,86 +679,12 @@ auto as_replica(ReplicaRound* round, int64_t index, Work work) -> decltype(work(
 
 // ---- autograd ----
 
-struct SyncBatchNormBackward : public torch::autograd::Node {
-  std::shared_ptr<ReplicaRound> round;  // none: the only replica of its process
+// Where a replica's call meets the others: its round (none: the only replica of its process),
+// its index and call number there, and its process's ranks.
+struct Meeting {
+  std::shared_ptr<ReplicaRound> round;
+  int64_t index = 0, call = 0;
   std::shared_ptr<Ranks> ranks;
-  int64_t index = 0, call = 0, count = 0;
-  std::optional<double> negative_slope;
-  std::string layer;
-  torch::autograd::SavedVariable x, weight, bias, residual, mean, invstd;
-
-  std::string name() const override { return "SyncBatchNormBackward"; }
-
-  void release_variables() override {
-    for (auto* saved : {&x, &weight, &bias, &residual, &mean, &invstd}) saved->reset_data();
-  }
-
-  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    try {
-      return apply_as_replica(grads);
-    } catch (...) {  // the other ranks wait in a backward collective: told there, then this error
-      if (ranks && *ranks) ranks->fail_backward();
-      throw;
-    }
-  }
-
-  torch::autograd::variable_list apply_as_replica(const torch::autograd::variable_list& grads) {
-    try {
-      return as_replica(round.get(), index, [&] { return backward(grads); });
-    } catch (const RoundBroken& broken) {
-      raise_replica_sync_error(broken.what());
-    } catch (pybind11::error_already_set& error) {  // from the ranks' Python: raised as it is
-      python_error raised;
-      {
-        pybind11::gil_scoped_acquire gil;
-        error.restore();
-        raised.persist();
-      }
-      throw std::move(raised);
-    }
-  }
-
-  torch::autograd::variable_list backward(const torch::autograd::variable_list& grads) {
-    TORCH_CHECK(!at::GradMode::is_enabled(), layer,
-                ": double backward (create_graph=True) through a layer synchronized across replicas or processes "
-                "is not supported; it is on one device in one process");
-    // unpacked with autograd on: an unpack hook may recompute a checkpointed region, which must
-    // record its graph (torch.utils.checkpoint with use_reentrant=False)
-    const auto input = x.unpack(), mean_ = mean.unpack(), invstd_ = invstd.unpack();
-    const auto weight_ = weight.unpack(), bias_ = bias.unpack(), residual_ = residual.unpack();
-    check_not_capturing(input.device(), layer);
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    const auto optional = [](const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; };
-    auto dy = (grads[0].defined() ? grads[0] : at::zeros_like(input)).contiguous(memory_format_of(input));
-    at::Tensor sum_dy, sum_dy_xmu;
-    if (!negative_slope) {
-      std::tie(sum_dy, sum_dy_xmu) = ops().backward_reduce.call(dy, input, mean_);
-    } else {  // dy through the activation (z's gradient too), and its sums, in one pass
-      std::tie(std::ignore, dy, sum_dy, sum_dy_xmu) = ops().backward_affine_act.call(
-          dy, input, mean_, invstd_, optional(weight_), optional(bias_), optional(residual_), negative_slope,
-          /*input_grad=*/false, /*residual_grad=*/true, /*sums=*/true);
-    }
-    // every replica meets, whichever gradients it wants: the others wait for its sums
-    const std::function<std::vector<Sums>(std::vector<SumsPart>&)> combine = [this](std::vector<SumsPart>& parts) {
-      return std::vector<Sums>(parts.size(), sum_replicas(parts, *ranks));
-    };
-    const auto stream = current_stream(input.device());
-    const auto ready = round ? mark_ready(stream) : nullptr;
-    const auto totals =
-        meet<SumsPart, Sums>(round, "backward", call, index, stream, SumsPart{sum_dy, sum_dy_xmu, ready}, combine,
-                             current_graph_task_failed);
-    torch::autograd::variable_list result(4);
-    if (task_should_compute_output(0)) {
-      const auto [sum_dy_here, sum_dy_xmu_here] =
-          fetch_pair(totals.sum_dy, totals.sum_dy_xmu, input.device(), totals.ready);
-      result[0] = ops().backward_elemt.call(dy, input, mean_, invstd_, optional(weight_), sum_dy_here,
-                                            sum_dy_xmu_here, c10::SymInt(totals.count >= 0 ? totals.count : count));
-    }
-    if (weight_.defined() && task_should_compute_output(1)) result[1] = (sum_dy_xmu * invstd_).to(weight_.scalar_type());
-    if (bias_.defined() && task_should_compute_output(2)) result[2] = sum_dy.to(bias_.scalar_type());
-    if (residual_.defined() && task_should_compute_output(3)) result[3] = dy;
-    return result;
-  }
 };
 
 // A new autograd node, held as the installed torch holds them (intrusive_ptr since torch 2.12 or
@@ -747,54 +699,218 @@ auto make_node() {
   }
 }
 
+// A node's own handle, as a saved output's unpack takes it.
+template <typename T>
+auto held(T* node) {
+  using Held = decltype(torch::autograd::Edge::function);
+  if constexpr (std::is_same_v<Held, std::shared_ptr<torch::autograd::Node>>) {
+    return std::static_pointer_cast<torch::autograd::Node>(node->shared_from_this());
+  } else {
+    return c10::intrusive_ptr<torch::autograd::Node>::reclaim_copy(static_cast<torch::autograd::Node*>(node));
+  }
+}
+
+OptTensor optional(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+at::Tensor undefined_if_none(const OptTensor& t) { return t ? *t : at::Tensor(); }
+
+// What both backward nodes share: the meeting of the sums, the failure reporting, the errors as
+// Python sees them. `Layer::backward(grads)` is the layer's own math.
+template <typename Layer>
+struct MeetingBackward : public torch::autograd::Node {
+  Meeting meeting;
+  int64_t count = 0;  // values per channel over every replica, where no ranks divide the sums
+  std::string layer;
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    try {
+      return apply_as_replica(grads);
+    } catch (...) {  // the other ranks wait in a backward collective: told there, then this error
+      if (meeting.ranks && *meeting.ranks) meeting.ranks->fail_backward();
+      throw;
+    }
+  }
+
+  torch::autograd::variable_list apply_as_replica(torch::autograd::variable_list& grads) {
+    try {
+      return as_replica(meeting.round.get(), meeting.index, [&] {
+        TORCH_CHECK(!at::GradMode::is_enabled(), layer,
+                    ": double backward (create_graph=True) through a layer synchronized across replicas or processes "
+                    "is not supported; it is on one device in one process");
+        return static_cast<Layer*>(this)->backward(grads);
+      });
+    } catch (const RoundBroken& broken) {
+      raise_replica_sync_error(broken.what());
+    } catch (pybind11::error_already_set& error) {  // from the ranks' Python: raised as it is
+      python_error raised;
+      {
+        pybind11::gil_scoped_acquire gil;
+        error.restore();
+        raised.persist();
+      }
+      throw std::move(raised);
+    }
+  }
+
+  // This replica's per-channel sums met with every replica's and rank's: the totals that the
+  // input gradient takes, and the count it divides them by. Every replica meets, whichever
+  // gradients it wants: the others wait for its sums.
+  std::pair<Sums, int64_t> totals(const at::Tensor& a, const at::Tensor& b, const at::Device& device) {
+    const std::function<std::vector<Sums>(std::vector<SumsPart>&)> combine = [this](std::vector<SumsPart>& parts) {
+      return std::vector<Sums>(parts.size(), sum_replicas(parts, *meeting.ranks));
+    };
+    const auto stream = current_stream(device);
+    const auto ready = meeting.round ? mark_ready(stream) : nullptr;
+    auto sums = meet<SumsPart, Sums>(meeting.round, "backward", meeting.call, meeting.index, stream,
+                                     SumsPart{a, b, ready}, combine, current_graph_task_failed);
+    std::tie(sums.sum_dy, sums.sum_dy_xmu) = fetch_pair(sums.sum_dy, sums.sum_dy_xmu, device, sums.ready);
+    return {sums, sums.count >= 0 ? sums.count : count};
+  }
+};
+
+struct SyncBatchNormBackward : public MeetingBackward<SyncBatchNormBackward> {
+  std::optional<double> negative_slope;
+  torch::autograd::SavedVariable x, weight, bias, residual, mean, invstd;
+
+  std::string name() const override { return "SyncBatchNormBackward"; }
+
+  void release_variables() override {
+    for (auto* saved : {&x, &weight, &bias, &residual, &mean, &invstd}) saved->reset_data();
+  }
+
+  torch::autograd::variable_list backward(const torch::autograd::variable_list& grads) {
+    // unpacked with autograd on: an unpack hook may recompute a checkpointed region, which must
+    // record its graph (torch.utils.checkpoint with use_reentrant=False)
+    const auto input = x.unpack(), mean_ = mean.unpack(), invstd_ = invstd.unpack();
+    const auto weight_ = weight.unpack(), bias_ = bias.unpack(), residual_ = residual.unpack();
+    check_not_capturing(input.device(), layer);
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto dy = (grads[0].defined() ? grads[0] : at::zeros_like(input)).contiguous(memory_format_of(input));
+    at::Tensor sum_dy, sum_dy_xmu;
+    if (!negative_slope) {
+      std::tie(sum_dy, sum_dy_xmu) = ops().backward_reduce.call(dy, input, mean_);
+    } else {  // dy through the activation (z's gradient too), and its sums, in one pass
+      std::tie(std::ignore, dy, sum_dy, sum_dy_xmu) = ops().backward_affine_act.call(
+          dy, input, mean_, invstd_, optional(weight_), optional(bias_), optional(residual_), negative_slope,
+          /*input_grad=*/false, /*residual_grad=*/true, /*sums=*/true);
+    }
+    const auto [sums, total] = totals(sum_dy, sum_dy_xmu, input.device());
+    torch::autograd::variable_list result(4);
+    if (task_should_compute_output(0)) {
+      result[0] = ops().backward_elemt.call(dy, input, mean_, invstd_, optional(weight_), sums.sum_dy, sums.sum_dy_xmu,
+                                            c10::SymInt(total));
+    }
+    if (weight_.defined() && task_should_compute_output(1)) result[1] = (sum_dy_xmu * invstd_).to(weight_.scalar_type());
+    if (bias_.defined() && task_should_compute_output(2)) result[2] = sum_dy.to(bias_.scalar_type());
+    if (residual_.defined() && task_should_compute_output(3)) result[3] = dy;
+    return result;
+  }
+};
+
+// The in-place activated layer's backward (functions/inplace_abn.py has the math): from the
+// output y and dy alone.
+struct InPlaceABNBackward : public MeetingBackward<InPlaceABNBackward> {
+  double eps = 0, activation_param = 0;
+  std::string activation;
+  torch::autograd::SavedVariable y, invstd, weight, bias;
+
+  std::string name() const override { return "InPlaceABNBackward"; }
+
+  void release_variables() override {
+    for (auto* saved : {&y, &invstd, &weight, &bias}) saved->reset_data();
+  }
+
+  torch::autograd::variable_list backward(torch::autograd::variable_list& grads) {
+    const auto output = y.unpack(held(this)), invstd_ = invstd.unpack();
+    const auto weight_ = weight.unpack(), bias_ = bias.unpack();
+    check_not_capturing(output.device(), layer);
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    at::Tensor grad = grads[0].defined() ? std::move(grads[0]) : at::zeros_like(output);
+    const auto dy = grad.contiguous(memory_format_of(output));
+    // written over where nothing else holds or shares it: one full-size tensor less at the peak
+    const bool dy_is_ours = !dy.is_same(grad) || (!grad.is_view() && grad.use_count() == 1 &&
+                                                  grad.storage().use_count() == 1 && grad.dtype() == output.dtype());
+    grad.reset();
+    const auto w = optional(weight_), b = optional(bias_);
+    const auto [sum_dz, sum_xhat_dz] =
+        ops().abn_backward_reduce.call(output, dy, w, b, eps, activation, activation_param);
+    const auto [sums, total] = totals(sum_dz, sum_xhat_dz, output.device());
+    torch::autograd::variable_list result(3);
+    if (task_should_compute_output(0)) {
+      const auto a = optional(sums.sum_dy), c = optional(sums.sum_dy_xmu);
+      if (dy_is_ours) {
+        ops().abn_backward_elemt_.call(dy, output, invstd_, w, b, eps, activation, activation_param, a, c,
+                                       c10::SymInt(total));
+        result[0] = dy;
+      } else {
+        result[0] = ops().abn_backward_elemt.call(output, dy, invstd_, w, b, eps, activation, activation_param, a, c,
+                                                  c10::SymInt(total));
+      }
+    }
+    if (weight_.defined() && task_should_compute_output(1)) {
+      result[1] = at::where(weight_ < 0, -sum_xhat_dz, sum_xhat_dz).to(weight_.scalar_type());
+    }
+    if (bias_.defined() && task_should_compute_output(2)) result[2] = sum_dz.to(bias_.scalar_type());
+    return result;
+  }
+};
+
+void check_no_forward_grads(const std::string& layer, std::initializer_list<at::Tensor> tensors) {
+  for (const auto& t : tensors) {
+    TORCH_CHECK_NOT_IMPLEMENTED(!t.defined() || !torch::autograd::isFwGradDefined(t), layer,
+                                ": forward-mode AD (jvp) through a synchronized layer is not supported");
+  }
+}
+
+// This replica's normalization of `x`: the given one (a checkpoint's recomputation: met
+// already), else its statistics met with every replica's (and rank's), on its own device.
+Normalization normalization_of(const Meeting& meeting, const at::Tensor& x, const MasterCall& master_call,
+                               const std::optional<Normalization>& given) {
+  if (given) return *given;
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const auto [mean, m2] = ops().local_stats.call(x);
+  const auto stream = current_stream(x.device());
+  const auto ready = meeting.round ? mark_ready(stream) : nullptr;  // the master reads it
+  StatsPart part{mean, m2, ready, x.scalar_type(), x.sizes().vec()};
+  const auto& ranks = meeting.ranks;
+  const std::function<std::vector<Normalization>(std::vector<StatsPart>&)> combine =
+      [&master_call, &ranks](std::vector<StatsPart>& parts) {
+        return std::vector<Normalization>(parts.size(), merge_replicas(parts, master_call, *ranks));
+      };
+  auto normalization =
+      meet<StatsPart, Normalization>(meeting.round, "forward", meeting.call, meeting.index, stream, std::move(part),
+                                     combine);
+  std::tie(normalization.mean, normalization.invstd) =
+      fetch_pair(normalization.mean, normalization.invstd, x.device(), normalization.ready);
+  return normalization;
+}
+
 }  // namespace
+
+using CallResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t>;
 
 // One replica's call of a synchronized layer (see the file's comment): y, with the autograd
 // history whose backward meets the other replicas (and ranks) again, and the replica's mean,
-// invstd and its process's count (which a checkpoint's recomputation reuses). `round`: none where this is
-// the only replica of its process; `sync`: the process master's Synchronizer where a process
-// group takes part, else null.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> sync_batch_norm(
-    const std::shared_ptr<ReplicaRound>& round, int64_t index, int64_t call,
-                           const at::Tensor& input, const OptTensor& weight, const OptTensor& bias,
-                           const OptTensor& running_mean, const OptTensor& running_var,
-                           const OptTensor& num_batches_tracked, std::optional<double> momentum, double eps,
-                           const OptTensor& residual, std::optional<double> negative_slope, const std::string& layer,
-                           const std::shared_ptr<Ranks>& ranks) {
-  return as_replica(round.get(), index, [&] {
-    const auto dual = [](const OptTensor& t) { return torch::autograd::isFwGradDefined(t); };
-    TORCH_CHECK_NOT_IMPLEMENTED(!dual(input) && !dual(weight) && !dual(bias) && !dual(residual), layer,
-                                ": forward-mode AD (jvp) through a synchronized layer is not supported");
-    at::Tensor x = input.contiguous(memory_format_of(input)), y;
-    Normalization normalization;
+// invstd and its process's count (which a checkpoint's recomputation reuses as `given`).
+CallResult sync_batch_norm(const Meeting& meeting, const at::Tensor& input, const OptTensor& weight,
+                           const OptTensor& bias, const MasterCall& master_call, const OptTensor& residual,
+                           std::optional<double> negative_slope, const std::optional<Normalization>& given) {
+  return as_replica(meeting.round.get(), meeting.index, [&] {
+    const auto w = undefined_if_none(weight), b = undefined_if_none(bias), z = undefined_if_none(residual);
+    check_no_forward_grads(master_call.layer, {input, w, b, z});
+    const at::Tensor x = input.contiguous(memory_format_of(input));
+    const auto normalization = normalization_of(meeting, x, master_call, given);
+    at::Tensor y;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      const auto [mean, m2] = ops().local_stats.call(x);
-      const auto stream = current_stream(x.device());
-      const auto ready = round ? mark_ready(stream) : nullptr;  // the master reads it
-      StatsPart part{mean, m2, ready, x.scalar_type(), x.sizes().vec()};
-      const MasterCall master_call{running_mean, running_var, num_batches_tracked, momentum, eps, layer};
-      const std::function<std::vector<Normalization>(std::vector<StatsPart>&)> combine =
-          [&master_call, &ranks](std::vector<StatsPart>& parts) {
-            return std::vector<Normalization>(parts.size(), merge_replicas(parts, master_call, *ranks));
-          };
-      normalization = meet<StatsPart, Normalization>(round, "forward", call, index, stream, std::move(part), combine);
-      std::tie(normalization.mean, normalization.invstd) =
-          fetch_pair(normalization.mean, normalization.invstd, x.device(), normalization.ready);
       y = ops().elemt_forward.call(x, normalization.mean, normalization.invstd, weight, bias, residual, negative_slope);
     }
-    const auto undefined = [](const OptTensor& t) { return t ? *t : at::Tensor(); };
-    const auto w = undefined(weight), b = undefined(bias), z = undefined(residual);
     if (at::GradMode::is_enabled() && torch::autograd::compute_requires_grad(x, w, b, z)) {
       auto node = make_node<SyncBatchNormBackward>();
       node->set_next_edges(torch::autograd::collect_next_edges(x, w, b, z));
-      node->round = round;
-      node->ranks = ranks;
-      node->index = index;
-      node->call = call;
+      node->meeting = meeting;
       node->count = normalization.count;
       node->negative_slope = negative_slope;
-      node->layer = layer;
+      node->layer = master_call.layer;
       node->x = torch::autograd::SavedVariable(x, false);
       node->weight = torch::autograd::SavedVariable(w, false);
       node->bias = torch::autograd::SavedVariable(b, false);
@@ -807,18 +923,92 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> sync_batch_norm(
   });
 }
 
+// One replica's call of a synchronized in-place activated layer: `x` written over with
+// act((x - mean) * invstd * (|weight| + eps) + bias) (functions/inplace_abn.py), its history
+// rebased on a node whose backward meets again; returns as sync_batch_norm, x as y.
+CallResult inplace_abn(const Meeting& meeting, const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                       const MasterCall& master_call, const std::string& activation, double activation_param,
+                       const std::optional<Normalization>& given) {
+  return as_replica(meeting.round.get(), meeting.index, [&] {
+    const auto w = undefined_if_none(weight), b = undefined_if_none(bias);
+    check_no_forward_grads(master_call.layer, {x, w, b});
+    const bool records = at::GradMode::is_enabled() && torch::autograd::compute_requires_grad(x, w, b);
+    if (records) torch::autograd::check_inplace(x, true);
+    const auto normalization = normalization_of(meeting, x, master_call, given);
+    decltype(make_node<InPlaceABNBackward>()) node;
+    if (records) {  // the edges of x's history before it is written over
+      node = make_node<InPlaceABNBackward>();
+      node->set_next_edges(torch::autograd::collect_next_edges(x, w, b));
+    }
+    {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      ops().abn_forward_.call(x, normalization.mean, normalization.invstd, weight, bias, master_call.eps, activation,
+                              activation_param);
+    }
+    if (!x.is_inference()) torch::autograd::increment_version(x);
+    if (records) {
+      node->meeting = meeting;
+      node->count = normalization.count;
+      node->layer = master_call.layer;
+      node->eps = master_call.eps;
+      node->activation = activation;
+      node->activation_param = activation_param;
+      torch::autograd::rebase_history(x, node);
+      node->y = torch::autograd::SavedVariable(x, /*is_output=*/true, x.is_view());
+      node->invstd = torch::autograd::SavedVariable(normalization.invstd, false);
+      node->weight = torch::autograd::SavedVariable(w, false);
+      node->bias = torch::autograd::SavedVariable(b, false);
+    }
+    return std::make_tuple(x, normalization.mean, normalization.invstd, normalization.count);
+  });
+}
+
 void throw_replica_sync_error(const std::string& reason) {
   PyErr_SetString(replica_sync_error, reason.c_str());
   throw pybind11::error_already_set();
 }
 
-void bind_object_exchange(pybind11::class_<ReplicaRound, std::shared_ptr<ReplicaRound>>& round);  // src/object_exchange.cpp
+// A replica's call, `work(meeting, given)`, run without the GIL (the wait and the master's
+// work); its errors raised as Python sees them. `sync`: the process master's Synchronizer where a
+// process group takes part; `given`: None, or the (mean, invstd, count) that a checkpoint's first
+// run returned, for its recomputation.
+template <typename Work>
+pybind11::tuple run_call(const std::shared_ptr<ReplicaRound>& round, int64_t index, int64_t call,
+                         const pybind11::object& sync, const pybind11::object& given, const Work& work) {
+  namespace py = pybind11;
+  const Meeting meeting{round, index, call, std::make_shared<Ranks>(sync.is_none() ? nullptr : sync.ptr())};
+  std::optional<Normalization> normalization;
+  if (!given.is_none()) {
+    const auto kept = given.cast<py::tuple>();
+    const auto count = meeting.ranks->take_count(kept[2]);
+    normalization.emplace(kept[0].cast<at::Tensor>(), kept[1].cast<at::Tensor>(), count, /*shared=*/false);
+  }
+  std::optional<std::string> broken;
+  std::optional<python_error> raised;  // a Python exception, as it is (checkpoint's control flow too)
+  CallResult result;
+  {
+    py::gil_scoped_release no_gil;
+    try {
+      result = work(meeting, normalization);
+    } catch (const RoundBroken& error) {
+      broken = error.what();
+    } catch (python_error& error) {
+      raised.emplace(std::move(error));
+    }
+  }
+  if (raised) {
+    raised->restore();
+    throw py::error_already_set();
+  }
+  if (broken) throw_replica_sync_error(*broken);
+  const auto& [y, mean, invstd, count] = result;
+  return py::make_tuple(y, mean, invstd, meeting.ranks->count(count));
+}
 
 void bind_sync_batch_norm(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<ReplicaRound, std::shared_ptr<ReplicaRound>> round(
       m, "ReplicaRound", "The meeting of a layer's replicas in one step (src/replica_round.h)");
-  bind_object_exchange(round);
   round
       .def(py::init<int64_t, double, std::string, int64_t, double, int64_t>(), py::arg("size"), py::arg("timeout"),
            py::arg("layer"), py::arg("number"), py::arg("spin_us"), py::arg("cores") = 0)
@@ -859,34 +1049,35 @@ void bind_sync_batch_norm(pybind11::module_& m) {
       [](const std::shared_ptr<ReplicaRound>& round, int64_t index, int64_t call, const at::Tensor& input,
          const OptTensor& weight, const OptTensor& bias, const OptTensor& running_mean, const OptTensor& running_var,
          const OptTensor& num_batches_tracked, std::optional<double> momentum, double eps, const OptTensor& residual,
-         std::optional<double> negative_slope, const std::string& layer, const py::object& sync) {
-        std::optional<std::string> broken;
-        std::optional<python_error> raised;  // a Python exception, as it is (checkpoint's control flow too)
-        std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> result;
-        const auto ranks = std::make_shared<Ranks>(sync.is_none() ? nullptr : sync.ptr());  // with the GIL
-        {
-          py::gil_scoped_release no_gil;  // the wait, and the master's work, without the GIL
-          try {
-            result = sync_batch_norm(round, index, call, input, weight, bias, running_mean, running_var,
-                                num_batches_tracked, momentum, eps, residual, negative_slope, layer, ranks);
-          } catch (const RoundBroken& error) {
-            broken = error.what();
-          } catch (python_error& error) {
-            raised.emplace(std::move(error));
-          }
-        }
-        if (raised) {
-          raised->restore();
-          throw py::error_already_set();
-        }
-        if (broken) throw_replica_sync_error(*broken);
-        const auto& [y, mean, invstd, count] = result;
-        return py::make_tuple(y, mean, invstd, ranks->count(count));
+         std::optional<double> negative_slope, const std::string& layer, const py::object& sync,
+         const py::object& given) {
+        const MasterCall master{running_mean, running_var, num_batches_tracked, momentum, eps, layer};
+        return run_call(round, index, call, sync, given, [&](const Meeting& meeting, const auto& normalization) {
+          return sync_batch_norm(meeting, input, weight, bias, master, residual, negative_slope, normalization);
+        });
       },
       py::arg("round").none(true), py::arg("index"), py::arg("call"), py::arg("input"), py::arg("weight"),
       py::arg("bias"), py::arg("running_mean"), py::arg("running_var"), py::arg("num_batches_tracked"),
       py::arg("momentum"), py::arg("eps"), py::arg("residual"), py::arg("negative_slope"), py::arg("layer"),
-      py::arg("sync"), "One replica's call of a synchronized layer: (y, mean, invstd, count) (see src/sync_batch_norm.cpp)");
+      py::arg("sync"), py::arg("given"),
+      "One replica's call of a synchronized layer: (y, mean, invstd, count) (see src/sync_batch_norm.cpp)");
+  m.def(
+      "inplace_abn",
+      [](const std::shared_ptr<ReplicaRound>& round, int64_t index, int64_t call, const at::Tensor& x,
+         const OptTensor& weight, const OptTensor& bias, const OptTensor& running_mean, const OptTensor& running_var,
+         const OptTensor& num_batches_tracked, std::optional<double> momentum, double eps,
+         const std::string& activation, double activation_param, const std::string& layer, const py::object& sync,
+         const py::object& given) {
+        const MasterCall master{running_mean, running_var, num_batches_tracked, momentum, eps, layer};
+        return run_call(round, index, call, sync, given, [&](const Meeting& meeting, const auto& normalization) {
+          return inplace_abn(meeting, x, weight, bias, master, activation, activation_param, normalization);
+        });
+      },
+      py::arg("round").none(true), py::arg("index"), py::arg("call"), py::arg("x"), py::arg("weight"), py::arg("bias"),
+      py::arg("running_mean"), py::arg("running_var"), py::arg("num_batches_tracked"), py::arg("momentum"),
+      py::arg("eps"), py::arg("activation"), py::arg("activation_param"), py::arg("layer"), py::arg("sync"),
+      py::arg("given"),
+      "One replica's call of a synchronized in-place activated layer: (x written over, mean, invstd, count)");
 }
 
 }  // namespace syncbn

@@ -1,7 +1,5 @@
-"""Which path a synchronized call takes, for the tests that cover both: one native call per
-replica and direction (src/sync_batch_norm.cpp, the default where the compiled module is loaded),
-or the autograd Function in Python (functions/sync_batchnorm.py), whose replicas exchange Python
-objects at the same native meeting (functions.synchronization.replicas.ReplicaRound.exchange)."""
+"""How a test sets the synchronized calls' meetings up: how long the replicas poll, and the ranks'
+checks deferred without a GPU."""
 from __future__ import annotations
 
 import pytest
@@ -11,12 +9,6 @@ from typing import Iterator
 
 import syncbn.functions.synchronization.checks as checks
 import syncbn.functions.synchronization.replicas as replicas
-import syncbn.modules.batchnorm as batchnorm
-
-
-def through_the_function(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Synchronized calls take the autograd Function for the rest of the test."""
-    monkeypatch.setattr(batchnorm, "native_serves", lambda: False)
 
 
 def replicas_spin(monkeypatch: pytest.MonkeyPatch, microseconds: float) -> None:

@@ -5,15 +5,13 @@ from __future__ import annotations
 import copy
 import sys
 import threading
-import time
 import unittest.mock
 from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
-import syncbn.modules.batchnorm
-from syncbn.functions.synchronization.replicas import ReplicaRound
+from syncbn.functions.synchronization.synchronizer import Synchronizer
 from syncbn import nn as NN
 from syncbn.modules.parallel import ThreadedDataParallel
 from testkit.lockstep import assert_agree, state_quantities, train_side_by_side
@@ -183,24 +181,20 @@ def another_thread_runs_during(call: Callable[[], object]) -> bool:
 
 
 def count_exchanges(monkeypatch) -> list[tuple[str, int]]:
-    """The (direction, call) of every replica exchange from now on, whichever path meets: the
-    Python round's exchanges, and the native path's calls (its forward, and its backward node's
-    runs, seen through a pre-hook on the node)."""
+    """The (direction, call) of every replica meeting from now on: each native call's forward
+    (a call with statistics given meets no one) and its backward node's runs (seen through a
+    pre-hook on the node)."""
     calls: list[tuple[str, int]] = []
-    python_exchange, native_call = ReplicaRound.exchange, syncbn.modules.batchnorm.native_sync_batch_norm
+    run = Synchronizer._run
 
-    def python_counting(self, key, *args, **kwargs):
-        calls.append(key)
-        return python_exchange(self, key, *args, **kwargs)
-
-    def native_counting(*args, sync, **kwargs):
-        number = sync.replica_call.number
-        calls.append(("forward", number))
-        y = native_call(*args, sync=sync, **kwargs)
+    def counting(self, *args):
+        number = self.replica_call.number
+        if self.given is None:
+            calls.append(("forward", number))
+        y = run(self, *args)
         if y.grad_fn is not None:
             y.grad_fn.register_prehook(lambda grads: calls.append(("backward", number)))
         return y
 
-    monkeypatch.setattr(ReplicaRound, "exchange", python_counting)
-    monkeypatch.setattr(syncbn.modules.batchnorm, "native_sync_batch_norm", native_counting)
+    monkeypatch.setattr(Synchronizer, "_run", counting)
     return calls

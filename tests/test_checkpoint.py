@@ -17,7 +17,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-import syncbn.modules.batchnorm
 from helpers import count_exchanges, run_threads, stock_replicas
 from syncbn import nn as NN
 from syncbn.parallel import ThreadedDataParallel
@@ -119,13 +118,10 @@ def one_step(model: nn.Module, rows: int, seed: int = 1) -> None:
     model(torch.randn(rows, 3, 5, 5, dtype=F64)).sum().backward()
 
 
-@pytest.mark.parametrize("route", ["native", "function"])
 @pytest.mark.parametrize("layer", SYNCED_LAYERS)
-def test_a_recomputed_layer_meets_the_replicas_as_often_as_a_plain_step(layer, route, monkeypatch) -> None:
+def test_a_recomputed_layer_meets_the_replicas_as_often_as_a_plain_step(layer, monkeypatch) -> None:
     """Every replica exchange of a step, with the block checkpointed inside the replicas and without:
     the same (direction, call) list; the recomputation meets no one."""
-    if route == "function":  # the autograd Function in Python rather than the native call
-        monkeypatch.setattr(syncbn.modules.batchnorm, "native_serves", lambda: False)
     exchanges = count_exchanges(monkeypatch)
     seen = {}
     for inner in (False, True):

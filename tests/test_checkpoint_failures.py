@@ -102,11 +102,7 @@ def test_a_failing_recomputation_frees_every_thread_replica_at_once(failing: str
     runner(x).sum().backward()  # the next step runs clean
 
 
-def _fail_in_a_synchronized_backward(rank: int, world: int, path: str) -> tuple[str, float]:
-    import syncbn.modules.batchnorm as batchnorm
-
-    if path == "python":
-        batchnorm.native_serves = lambda: False  # this process only: the autograd Function's path
+def _fail_in_a_synchronized_backward(rank: int, world: int) -> tuple[str, float]:
     torch.manual_seed(0)
     conv, bn, head = nn.Conv2d(C, C, 1), NN.BatchNorm2d(C), NN.BatchNorm2d(C)
     nn.Sequential(conv, bn, head).to(F64)
@@ -123,11 +119,10 @@ def _fail_in_a_synchronized_backward(rank: int, world: int, path: str) -> tuple[
     return "no error", time.monotonic() - start
 
 
-@pytest.mark.parametrize("path", ["native", "python"])
-def test_a_failing_synchronized_backward_frees_every_rank_at_once(path: str) -> None:
+def test_a_failing_synchronized_backward_frees_every_rank_at_once() -> None:
     # rank 1's backward of the first layer fails before its all_reduce; rank 0, waiting in that
     # all_reduce, learns of it there at once, not after the 20 s collective timeout
-    (waiting, waited), (failed, failed_after) = run_local_group(_fail_in_a_synchronized_backward, 2, path, timeout_s=20)
+    (waiting, waited), (failed, failed_after) = run_local_group(_fail_in_a_synchronized_backward, 2, timeout_s=20)
     assert "modified by an inplace operation" in failed, failed
     assert "1 rank(s) of the process group failed in this backward pass" in waiting, waiting
     assert waited < 5 and failed_after < 5

@@ -25,7 +25,6 @@ from syncbn.functions.operators import reference as ref
 from syncbn.functions.operators import reference_abn as ref_abn
 from syncbn import nn as NN
 import test_kernels as kernel_tests  # its tolerances and inputs (tests/ is on the path: pytest.ini)
-from testkit.paths import through_the_function
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA is not available: these tests need a GPU"
@@ -39,15 +38,12 @@ needs_ops = pytest.mark.skipif(
 DEVICE = "cuda"
 
 
-@pytest.fixture(params=["native", "python"])
-def exchange_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Where the replicas meet: natively (src/sync_batch_norm.cpp: device-generic events and
-    record_stream; run on one H200) or through the autograd Function, at the same native round."""
-    if request.param == "python":
-        through_the_function(monkeypatch)
-    elif backend.NATIVE_ROUNDS is None:
+@pytest.fixture
+def native_rounds() -> None:
+    """The replicas meet natively (src/sync_batch_norm.cpp: device-generic events and
+    record_stream), where the compiled module is loaded."""
+    if backend.NATIVE_ROUNDS is None:
         pytest.skip("the compiled module is not loaded: replicas cannot meet")
-    return request.param
 
 
 def make_input(shape, memory_format, dtype, seed=0) -> torch.Tensor:
@@ -227,7 +223,7 @@ def resnet_block(channels: int = 6) -> nn.Module:
 
 
 @pytest.mark.parametrize("devices_", [["cuda:0", "cuda:0"], ["cuda:0", "cpu"]], ids=["two-on-one-gpu", "gpu-and-cpu"])
-def test_threaded_step_matches_the_full_batch(devices_, monkeypatch, exchange_path) -> None:
+def test_threaded_step_matches_the_full_batch(devices_, monkeypatch, native_rounds) -> None:
     """A replica exchange on one GPU, and across a GPU and the CPU (the events, record_stream
     and copies of functions.devices), against torch's layers on the full batch, float32."""
     from syncbn.modules.parallel import ThreadedDataParallel
@@ -251,7 +247,7 @@ def test_threaded_step_matches_the_full_batch(devices_, monkeypatch, exchange_pa
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
 
 
-def test_a_synchronized_step_never_synchronizes_the_host(exchange_path) -> None:
+def test_a_synchronized_step_never_synchronizes_the_host(native_rounds) -> None:
     """torch's sync debug mode raises on any host synchronization (a device value read on the
     host, a pageable copy, a stream synchronize) during a threaded step on one GPU, forward and
     backward, running statistics with momentum None included."""
@@ -272,7 +268,7 @@ def test_a_synchronized_step_never_synchronizes_the_host(exchange_path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nn.DataParallel replicates on two GPUs or more")
-def test_stock_data_parallel_on_a_side_stream(exchange_path) -> None:
+def test_stock_data_parallel_on_a_side_stream(native_rounds) -> None:
     """Stock nn.DataParallel over every visible GPU, called on a non-default stream: the
     replicas run on that stream (parallel_apply enters it), so must our fences and copies."""
     torch.manual_seed(0)
@@ -339,15 +335,12 @@ def test_capturing_a_synchronized_step_raises_a_clear_error() -> None:
     assert int(bn.num_batches_tracked) == 0
 
 
-@pytest.mark.parametrize("path", ["native", "python"])
-def test_capturing_a_synchronized_backward_alone_raises_a_clear_error(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_capturing_a_synchronized_backward_alone_raises_a_clear_error(native_rounds) -> None:
     """The forward ran eagerly on a side stream; capturing the backward on it is refused as the
     forward's capture is, naming the layer, and the other replica's backward is released."""
     from helpers import run_threads, stock_replicas
     from syncbn.functions import ReplicaSyncError
 
-    if path == "python":
-        through_the_function(monkeypatch)
     bn = NN.SyncBatchNorm2d(4, timeout=30).to(DEVICE)
     replicas = stock_replicas(bn, 2)
     xs = [torch.randn(2, 4, 3, 3, device=DEVICE, requires_grad=True) for _ in replicas]
@@ -370,36 +363,6 @@ def test_capturing_a_synchronized_backward_alone_raises_a_clear_error(path: str,
         with torch.cuda.stream(stream):
             outputs[1].sum().backward()
     assert time.monotonic() - start < 5
-
-
-def test_the_python_paths_merge_runs_on_the_masters_stream(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Replica 1 arrives last and runs the master's work on its thread: the merge and the running
-    statistics' update still queue on replica 0's stream (the backward's sums take the same
-    stream argument: functions.sync_batchnorm.global_sums)."""
-    from helpers import run_threads, stock_replicas
-    from syncbn.functions.synchronization.synchronizer import Synchronizer
-
-    through_the_function(monkeypatch)
-    seen: list = []
-    merge = Synchronizer.merge_stats
-
-    def merge_stats(self, *args):
-        seen.append(torch.cuda.current_stream(DEVICE))
-        return merge(self, *args)
-
-    monkeypatch.setattr(Synchronizer, "merge_stats", merge_stats)
-    replicas = stock_replicas(NN.SyncBatchNorm2d(4, timeout=30).to(DEVICE), 2)
-    streams = [torch.cuda.Stream(DEVICE) for _ in replicas]
-    xs = [torch.randn(2, 4, 3, 3, device=DEVICE) for _ in replicas]
-
-    def step(index: int) -> torch.Tensor:
-        if index == 1:
-            time.sleep(0.2)  # the master waits: replica 1's thread does the master's work
-        with torch.no_grad(), torch.cuda.stream(streams[index]):
-            return replicas[index](xs[index])
-
-    run_threads([lambda i=i: step(i) for i in range(2)])
-    assert seen == [streams[0]]
 
 
 @pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])

@@ -24,8 +24,8 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from syncbn.functions import devices
+from syncbn.functions.operators import backend
 from syncbn.functions.synchronization import checks
-from syncbn.functions.sync_batchnorm import native_serves
 from syncbn.functions.synchronization.synchronizer import Synchronizer
 from testkit.collectives import count_collectives
 from testkit.host_reads import HostReads, allowed
@@ -722,7 +722,7 @@ def test_deferred_checks_read_nothing_on_the_host_until_the_step_ends(rank: int,
     assert ends, "the verdicts were never read"
 
 
-@pytest.mark.skipif(not native_serves(), reason="the compiled module is not loaded: the Python path defers its own verdicts")
+@pytest.mark.skipif(backend.NATIVE_ROUNDS is None, reason="the compiled module is not loaded")
 @across_processes(2)
 def test_the_native_path_queues_its_deferred_verdicts_from_host_copies(rank: int, world: int) -> None:
     # the native path copies each verdict to host memory itself and makes one Python call per

@@ -13,12 +13,10 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from syncbn.functions import frozen_batch_norm, serves_single_device
-from syncbn.functions.operators import backend
 from helpers import count_exchanges, randomize_affine
 from syncbn import nn as NN
 from syncbn.modules.parallel import ThreadedDataParallel
 from testkit.lockstep import assert_agree, train_side_by_side
-from testkit.paths import through_the_function
 
 TOL = dict(atol=1e-9, rtol=1e-9)
 TORCH_BN = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
@@ -94,14 +92,6 @@ def test_fused_training_matches_unfused(activation, negative_slope, residual, sh
 def test_frozen_matches_eval_mode_with_trainable_affine(activation, negative_slope, residual, shape, memory_format, replicas) -> None:
     ref, ours = make_pair(len(shape), shape[1], activation, negative_slope, frozen=True)
     train_pair(ref, ours, shape, residual, replicas, ref_training=False, memory_format=memory_format)
-
-
-@pytest.mark.parametrize("activation,negative_slope", ACTIVATIONS[1:])
-def test_fused_training_through_the_python_exchange(monkeypatch: pytest.MonkeyPatch, activation, negative_slope) -> None:
-    # what serves without the compiled module (tests/test_parity.py)
-    through_the_function(monkeypatch)
-    ref, ours = make_pair(4, 3, activation, negative_slope=negative_slope)
-    train_pair(ref, ours, (7, 3, 5, 4), True, 3, memory_format=torch.channels_last)
 
 
 @pytest.mark.parametrize("activation,negative_slope", ACTIVATIONS)

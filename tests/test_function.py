@@ -73,7 +73,7 @@ def test_gradcheck_function(affine: bool, bias: bool) -> None:
         x = next(it)
         weight = next(it) if affine else None
         bias_ = next(it) if bias else None
-        return SyncBatchNormFunction.apply(x, weight, bias_, None, None, None, 0.1, 1e-5, None, "gradcheck")[0]
+        return SyncBatchNormFunction.apply(x, weight, bias_, None, None, None, 0.1, 1e-5, "gradcheck")[0]
 
     assert torch.autograd.gradcheck(fn, inputs)
 

@@ -12,7 +12,6 @@ from syncbn.functions.operators import backend
 from helpers import randomize_affine, train_in_lockstep
 from syncbn import nn as NN
 from syncbn.modules.parallel import ThreadedDataParallel
-from testkit.paths import through_the_function
 
 CL2, CL3 = torch.channels_last, torch.channels_last_3d
 
@@ -26,15 +25,6 @@ def conv_bn_2d(**bn_args) -> nn.Module:
 def test_2d_network_uneven_chunks(replicas: int, batch: int) -> None:
     # batch 10 on 4 replicas is 3,3,3,1; batch 2 on 3 or 4 replicas gives fewer chunks than devices
     train_in_lockstep(conv_bn_2d, (batch, 3, 5, 6), replicas)
-
-
-@pytest.mark.parametrize("bn_args", [dict(), dict(momentum=None), dict(affine=False, track_running_stats=False)], ids=str)
-@pytest.mark.parametrize("replicas", [2, 4])
-def test_the_python_exchange_is_exact_too(monkeypatch: pytest.MonkeyPatch, bn_args: dict, replicas: int) -> None:
-    # the replicas meet natively where the compiled module is loaded (one call per layer and
-    # direction); the autograd Function (the in-place layers' path) meets at the same round
-    through_the_function(monkeypatch)
-    train_in_lockstep(lambda: conv_bn_2d(**bn_args), (10, 3, 5, 6), replicas)
 
 
 @pytest.mark.parametrize(

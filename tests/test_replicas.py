@@ -16,11 +16,13 @@ from torch import nn
 from syncbn.functions import ReplicaSyncError
 from syncbn.functions.operators import backend
 from syncbn.functions.synchronization import replicas
-from syncbn.functions.synchronization.replicas import ReplicaRound, resolve_timeout
+from syncbn.functions.synchronization import distributed
+from syncbn.functions.synchronization.replicas import ReplicaCall, ReplicaRound, resolve_timeout
+from syncbn.functions.synchronization.synchronizer import Synchronizer
 from helpers import another_thread_runs_during, replayed_replicas, run_threads, stock_replicas
 from syncbn import nn as NN
 from syncbn.modules.parallel import ThreadedDataParallel
-from testkit.paths import replicas_spin, through_the_function
+from testkit.paths import replicas_spin
 
 
 class RaiseOn(nn.Module):
@@ -418,15 +420,11 @@ def test_replicas_disagreeing_on_dtype() -> None:
     assert int(bn.num_batches_tracked) == 0
 
 
-@pytest.mark.parametrize("path", ["python", "native"])
 @pytest.mark.parametrize("last", [0, 1, 2])
-def test_a_failing_merge_is_the_masters_error_whoever_arrives_last(
-    path: str, last: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_failing_merge_is_the_masters_error_whoever_arrives_last(last: int) -> None:
     # natively the replica that arrives last runs the master's merge on its own thread: its error
     # (replicas disagreeing on the dtype) still reaches the master's caller as it is, and the
     # others, the merging replica included, raise ReplicaSyncError naming replica 0
-    exchange_path_of(path, monkeypatch)
     bn = NN.SyncBatchNorm2d(3, timeout=30)
     replicas = stock_replicas(bn, 3)
     inputs = [torch.randn(2, 3, 2, 2), torch.randn(2, 3, 2, 2).bfloat16(), torch.randn(2, 3, 2, 2)]
@@ -489,62 +487,73 @@ def test_without_the_compiled_module_replicas_refuse_at_once(monkeypatch: pytest
     torch.testing.assert_close(bn(x), nn.BatchNorm2d(3).double()(x), atol=1e-12, rtol=1e-12)
 
 
-def test_round_exchange_keys_are_cleaned_up() -> None:
-    round = ReplicaRound("layer", 1, timeout=5)
-    members = [nn.Identity() for _ in range(3)]
-    for m in members:
-        round.add(m)
-    results = run_threads([lambda i=i: round.exchange(("forward", 0), i, i + 1, sum) for i in range(3)])
-    assert results == [6, 6, 6]
-    # the same key again meets afresh: the first exchange left nothing behind
-    results = run_threads([lambda i=i: round.exchange(("forward", 0), i, 10 * (i + 1), sum) for i in range(3)])
-    assert results == [60, 60, 60]
+def round_calls(size: int, timeout: float, number: int = 0) -> list[Synchronizer]:
+    """One call (``number``) of each of ``size`` replicas of one round, as their layer makes it."""
+    round = ReplicaRound("layer", 1, timeout=timeout)
+    for _ in range(size):
+        round.add(nn.Identity())
+    return [Synchronizer(ReplicaCall(round, index, number), None, "layer", 3, torch.device("cpu")) for index in range(size)]
+
+
+def batch_norm_of(sync: Synchronizer, x: torch.Tensor) -> torch.Tensor:
+    return sync.batch_norm(x, None, None, (None, None, None, 0.1), 1e-5, None, None)
+
+
+def test_a_round_meets_again_at_the_same_call_with_nothing_left_behind() -> None:
+    needs_native_rounds()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    expected = nn.functional.batch_norm(x, None, None, training=True)
+    syncs = round_calls(3, 5)
+    for _ in range(2):  # the same key again meets afresh: the first meeting left nothing behind
+        ys = run_threads([lambda j=j: batch_norm_of(syncs[j], x[2 * j : 2 * j + 2]) for j in range(3)])
+        torch.testing.assert_close(torch.cat(ys), expected, atol=1e-12, rtol=1e-12)
 
 
 def test_abort_releases_a_waiting_master_and_a_waiting_replica_at_once() -> None:
-    # the master waits for the payloads and replica 1 for the result (two queues of the round):
+    # the master waits for the parts and replica 1 for the result (two queues of the round):
     # an abort from outside, as ThreadedDataParallel makes when replica 2 fails, wakes both
-    round = ReplicaRound("layer", 1, timeout=30)
-    members = [nn.Identity() for _ in range(3)]
-    for m in members:
-        round.add(m)
+    needs_native_rounds()
+    syncs = round_calls(3, 30)
+    round = syncs[0].replica_call.round  # type: ignore[union-attr]
 
     def abort_later():
         time.sleep(0.3)
         round.abort(KeyError("replica 2 fails"), 2)
 
     start = time.monotonic()
-    results = run_threads([lambda i=i: round.exchange(("forward", 0), i, i, sum) for i in range(2)] + [abort_later])
+    x = torch.randn(2, 3, dtype=torch.float64)
+    results = run_threads([lambda j=j: batch_norm_of(syncs[j], x) for j in range(2)] + [abort_later])
     assert time.monotonic() - start < 5
     for result in results[:2]:
         assert isinstance(result, ReplicaSyncError) and "replica 2 failed: KeyError" in str(result), result
 
 
-def test_a_slow_master_combine_is_waited_for() -> None:
-    # replica 1 arrives at once, the master late, and its combine takes a while: both get the
-    # result (the deadline of a replica that has everyone's payload is extended once)
-    round = ReplicaRound("layer", 1, timeout=0.5)
-    members = [nn.Identity(), nn.Identity()]
-    for m in members:
-        round.add(m)
+def test_a_slow_master_merge_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    # replica 1 arrives at once, the master late, and its merge (here its collective) takes a
+    # while: both get the result (the deadline of a replica that has everyone's part is extended once)
+    needs_native_rounds()
 
-    def slow_sum(parts):
+    def slow_gather(row, call):
         time.sleep(0.3)
-        return sum(parts)
+        return row.unsqueeze(0)
+
+    monkeypatch.setattr(distributed, "all_gather_rows", slow_gather)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda group=None: 1)
+    syncs = round_calls(2, 0.5)
+    syncs[0].process_call = distributed.ProcessGroupSync().next_call(object(), "layer")
+    x = torch.randn(4, 3, dtype=torch.float64)
 
     def master():
         time.sleep(0.4)
-        return round.exchange(("forward", 0), 0, 1, slow_sum)
+        return batch_norm_of(syncs[0], x[:2])
 
-    results = run_threads([master, lambda: round.exchange(("forward", 0), 1, 2, slow_sum)])
-    assert results == [3, 3]
+    results = run_threads([master, lambda: batch_norm_of(syncs[1], x[2:])])
+    expected = nn.functional.batch_norm(x, None, None, training=True)
+    torch.testing.assert_close(torch.cat(results), expected, atol=1e-12, rtol=1e-12)
 
 
-@pytest.mark.parametrize("path", ["native", "python"])
-def test_a_replica_waiting_at_a_meeting_holds_no_gil(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
-    if path == "python":
-        through_the_function(monkeypatch)
-    elif backend.NATIVE_ROUNDS is None:
+def test_a_replica_waiting_at_a_meeting_holds_no_gil() -> None:
+    if backend.NATIVE_ROUNDS is None:
         pytest.skip("the compiled module is not loaded: replicas cannot meet")
     x = torch.randn(4, 3, 2, 2, dtype=torch.float64, requires_grad=True)
 
@@ -614,10 +623,8 @@ def test_replicas_in_order_open_a_round_at_index_0_while_the_last_rounds_replica
     assert REPLICATING.index is None
 
 
-def exchange_path_of(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if path == "python":
-        through_the_function(monkeypatch)
-    elif backend.NATIVE_ROUNDS is None:
+def needs_native_rounds() -> None:
+    if backend.NATIVE_ROUNDS is None:
         pytest.skip("the compiled module is not loaded: replicas cannot meet")
 
 
@@ -633,13 +640,12 @@ class Checkpointed(nn.Module):
 
 
 @pytest.mark.parametrize("early_stop", [True, False])
-@pytest.mark.parametrize("path", ["native", "python"])
-def test_non_reentrant_checkpointing_recomputes_through_the_layer(monkeypatch, path: str, early_stop: bool) -> None:
+def test_non_reentrant_checkpointing_recomputes_through_the_layer(early_stop: bool) -> None:
     # the recomputation runs in backward with autograd on, meets the other replicas again, updates
     # the running statistics once (as torch's layer without checkpointing; torch's own under
     # checkpoint counts the step twice), and checkpoint's early stop (an exception raised while
     # the layer saves) is no failure
-    exchange_path_of(path, monkeypatch)
+    needs_native_rounds()
     torch.manual_seed(0)
     ref = Checkpointed().double()
     ours = NN.convert_sync_batchnorm(copy.deepcopy(ref))
@@ -659,9 +665,8 @@ def test_non_reentrant_checkpointing_recomputes_through_the_layer(monkeypatch, p
         torch.testing.assert_close(c, b, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("path", ["native", "python"])
-def test_forward_mode_ad_through_a_synchronized_layer_raises(monkeypatch, path: str) -> None:
-    exchange_path_of(path, monkeypatch)
+def test_forward_mode_ad_through_a_synchronized_layer_raises() -> None:
+    needs_native_rounds()
     replicas = stock_replicas(NN.SyncBatchNorm1d(3, timeout=30).double(), 2)
 
     def replica(j: int):

@@ -1,7 +1,7 @@
-"""functions.synchronization.synchronizer.Synchronizer on its own: who takes part in the collectives, the two
-exchanges within a process, and what a failure does (release the round; tell the other ranks
-only while this process has not joined the forward's collective). The collectives themselves
-are stubbed here; tests/test_distributed.py runs them in real processes."""
+"""functions.synchronization.synchronizer.Synchronizer on its own: who takes part in the collectives, the
+replicas' native calls within a process, and what a failure does (release the round; tell the
+other ranks only while this process has not joined the forward's collective). The collectives
+themselves are stubbed here; tests/test_distributed.py runs them in real processes."""
 from __future__ import annotations
 
 import pytest
@@ -10,8 +10,7 @@ from torch import nn
 
 import syncbn.functions.synchronization.synchronizer as synchronization
 from syncbn.functions import ReplicaSyncError
-from syncbn.functions.operators import reference as ref
-from syncbn.functions import stats
+from syncbn.functions.synchronization import distributed
 from syncbn.functions.synchronization.distributed import ProcessGroupSync
 from syncbn.functions.synchronization.replicas import ReplicaHandle, ReplicaRound
 from syncbn.functions.synchronization.synchronizer import Synchronizer
@@ -29,11 +28,17 @@ def handles(count: int, timeout: float = 10.0) -> list[ReplicaHandle]:
 
 @pytest.fixture
 def reported(monkeypatch: pytest.MonkeyPatch) -> list:
-    """The failed-flag rows this process would send; the all_gather answers as a world of one."""
+    """The failed-flag rows this process would send; the collectives answer as a world of one."""
     sent: list = []
     monkeypatch.setattr(synchronization, "report_failure", lambda call, channels, device: sent.append(call))
-    monkeypatch.setattr(synchronization, "all_gather_stats", lambda local, call, running: stats.merge([local]))
+    monkeypatch.setattr(distributed, "all_gather_rows", lambda row, call: row.unsqueeze(0))
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda group=None: 1)
     return sent
+
+
+def running_stats(channels: int) -> tuple:
+    """(running_mean, running_var, num_batches_tracked, momentum 1: the batch's statistics)."""
+    return torch.zeros(channels, dtype=torch.float64), torch.ones(channels, dtype=torch.float64), torch.tensor(0), 1.0
 
 
 def test_only_the_master_replica_of_a_process_takes_part_in_the_collectives() -> None:
@@ -43,43 +48,45 @@ def test_only_the_master_replica_of_a_process_takes_part_in_the_collectives() ->
     assert Synchronizer.for_call(master, group, processes, "layer", 3, CPU).process_call is not None
     assert Synchronizer.for_call(other, group, processes, "layer", 3, CPU).process_call is None
     alone = Synchronizer.for_call(None, group, processes, "layer", 3, CPU)
-    assert alone.process_call is not None and alone.replica_call is None and alone.is_master
+    assert alone.process_call is not None and alone.replica_call is None
     assert Synchronizer.for_call(master, None, processes, "layer", 3, CPU).process_call is None
 
 
-def test_the_master_does_every_replicas_part_and_each_gets_its_own() -> None:
-    syncs = [Synchronizer.for_call(h, None, ProcessGroupSync(), "layer", 3, CPU) for h in handles(3)]
-    seen: list = []
-
-    def work(parts: list) -> list:
-        seen.append(list(parts))
-        return [part * 10 for part in parts]
-
-    results = run_threads([lambda j=j: syncs[j].on_master("forward", j + 1, work) for j in range(3)])
-    assert results == [10, 20, 30]
-    assert seen == [[1, 2, 3]]  # once, on the master, in replica order
-    alone = Synchronizer.for_call(None, object(), ProcessGroupSync(), "layer", 3, CPU)
-    assert alone.on_master("forward", 7, work) == 70  # no other replica: here
-
-
-def test_the_merge_gives_the_statistics_of_the_whole_batch() -> None:
+def test_each_replica_normalizes_with_the_whole_batch_and_the_master_updates_once() -> None:
     x = torch.randn(7, 3, 4, dtype=torch.float64)
-    parts = [stats.LocalStats(c.numel() // 3, *ref.local_stats(c), c.dtype, c.shape) for c in (x[:4], x[4:])]
-    sync = Synchronizer.for_call(handles(2)[0], None, ProcessGroupSync(), "layer", 3, CPU)
-    running = (torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64), torch.tensor(0), 1.0)
-    mean, var = sync.merge_stats(parts, running)
-    assert sync.count == 28
+    syncs = [Synchronizer.for_call(h, None, ProcessGroupSync(), "layer", 3, CPU) for h in handles(2)]
+    running = running_stats(3)
+    ys = run_threads([
+        lambda j=j, part=part: syncs[j].batch_norm(part, None, None, running, 1e-5, None, None)
+        for j, part in enumerate((x[:4], x[4:]))
+    ])
+    expected = torch.nn.functional.batch_norm(x, None, None, training=True, eps=1e-5)
+    torch.testing.assert_close(torch.cat(ys), expected, atol=1e-12, rtol=1e-12)
+    assert [sync.count for sync in syncs] == [28, 28]
     torch.testing.assert_close(running[0], x.mean((0, 2)))  # momentum 1: the batch's statistics
     torch.testing.assert_close(running[1], x.var((0, 2)))
     assert running[2].item() == 1
+    mean, invstd = syncs[1].normalization  # type: ignore[misc]
     torch.testing.assert_close(mean, x.mean((0, 2)))
-    torch.testing.assert_close(var, x.var((0, 2), correction=0))
-    sums = sync.sum_over_ranks(x.sum((0, 2)), x.square().sum((0, 2)))  # no process group: as given
-    torch.testing.assert_close(sums[0], x.sum((0, 2)))
-    disagreeing = [parts[0], stats.LocalStats(4, parts[1].mean.float(), parts[1].m2.float(), torch.float32, x.shape)]
-    with pytest.raises(RuntimeError, match="layer: replicas disagree on their input"):
-        sync.merge_stats(disagreeing, running)
-    assert running[2].item() == 1  # nothing updated
+    torch.testing.assert_close(invstd, (x.var((0, 2), correction=0) + 1e-5).rsqrt())
+
+
+def test_replicas_that_disagree_raise_and_update_nothing() -> None:
+    x = torch.randn(7, 3, 4, dtype=torch.float64)
+    syncs = [Synchronizer.for_call(h, None, ProcessGroupSync(), "layer", 3, CPU) for h in handles(2)]
+    running = running_stats(3)
+    parts = (x[:4], x[4:].float())
+
+    def call(j: int) -> BaseException | None:
+        try:
+            syncs[j].batch_norm(parts[j], None, None, running, 1e-5, None, None)
+        except Exception as error:  # noqa: BLE001
+            return error
+        return None
+
+    errors = run_threads([lambda j=j: call(j) for j in range(2)])
+    assert any(isinstance(e, RuntimeError) and "layer: replicas disagree on their input" in str(e) for e in errors), errors
+    assert running[2].item() == 0  # nothing updated
 
 
 def test_a_failure_before_the_collective_releases_the_round_and_tells_the_ranks(reported: list) -> None:
@@ -89,7 +96,7 @@ def test_a_failure_before_the_collective_releases_the_round_and_tells_the_ranks(
     sync.fail(ValueError("bad input"))
     x = torch.randn(4, 3, dtype=torch.float64)
     with pytest.raises(ReplicaSyncError, match="replica 0 failed: ValueError: bad input"):
-        waiting.on_master("forward", x, lambda parts: parts)
+        waiting.batch_norm(x, None, None, running_stats(3), 1e-5, None, None)
     assert reported == [sync.process_call]
     sync.fail(RuntimeError("again"))  # one failed-flag row per call at most
     assert len(reported) == 1
@@ -98,7 +105,7 @@ def test_a_failure_before_the_collective_releases_the_round_and_tells_the_ranks(
 def test_no_report_once_the_collective_was_joined_nor_for_an_interrupt(reported: list) -> None:
     x = torch.randn(4, 3, dtype=torch.float64)
     joined = Synchronizer.for_call(None, object(), ProcessGroupSync(), "layer", 3, CPU)
-    joined.merge_stats([stats.LocalStats(4, *ref.local_stats(x), x.dtype, x.shape)], (None, None, None, 0.1))
+    joined.batch_norm(x, None, None, (None, None, None, 0.1), 1e-5, None, None)
     joined.fail(RuntimeError("in backward"))  # the other ranks are in the backward's all_reduce
     interrupted = Synchronizer.for_call(None, object(), ProcessGroupSync(), "layer", 3, CPU)
     interrupted.fail(KeyboardInterrupt())

@@ -16,12 +16,10 @@ Where a round begins:
   the step, so a replica whose round-mates are all gone starts a new round.
 
 Replicas meet in the round's native side (src/replica_round.h), keyed by direction and by the
-replica's call number, so a layer called twice syncs twice and backward meets the right forward:
-natively for the whole synchronized call where the compiled module serves it
-(src/sync_batch_norm.cpp), or exchanging Python objects (:meth:`ReplicaRound.exchange`) where an
-autograd Function in Python does the work. Every wait has a timeout; a failure or a timeout
-breaks the round for every replica at once. Without the compiled module replicas cannot meet: the
-first exchange raises an error that says how to build it.
+replica's call number, so a layer called twice syncs twice and backward meets the right forward;
+the synchronized call runs there whole (src/sync_batch_norm.cpp). Every wait has a timeout; a
+failure or a timeout breaks the round for every replica at once. Without the compiled module
+replicas cannot meet: the first call raises an error that says how to build it.
 """
 from __future__ import annotations
 
@@ -50,8 +48,6 @@ working fit in :func:`usable_cores`; else it polls 50 us at most, ``kSharedSpin`
 sleeping thread costs more than that poll where its core went idle, and every other replica
 waits through it (benchmarks/bench_sync_overhead.py measures the choice)."""
 REPLICA_ATTR = "_sync_replica"
-
-Key = tuple[str, int]
 
 
 class ReplicaSyncError(RuntimeError):
@@ -172,21 +168,6 @@ class ReplicaRound:
         who = "a replica" if index is None else f"replica {index}"
         return f"{who} failed: {type(cause).__name__}: {cause}"
 
-    def exchange(self, key: Key, index: int, payload: Any, combine: Callable[[list[Any]], Any]) -> Any:
-        """Post ``payload``; the master's ``combine`` (run once over all payloads, in index
-        order, by the replica that arrives last) returns the result that every replica returns.
-        Raises :class:`ReplicaSyncError` on timeout or when another replica failed (its error
-        chained); an error raised by ``combine`` reaches the master as it is and breaks the round
-        for the others."""
-        direction, call = key
-        try:
-            return self.native().exchange(direction, call, index, payload, lambda payloads: [combine(payloads)] * self.size)
-        except ReplicaSyncError as error:
-            cause = self.failure_cause
-            if error.__cause__ is None and cause is not None and not isinstance(cause, ReplicaSyncError):
-                error.__cause__ = cause
-            raise
-
 
 class ReplicaCall:
     """One call of a replica's layer within a step: what its exchanges are keyed by."""
@@ -195,13 +176,6 @@ class ReplicaCall:
 
     def __init__(self, round: ReplicaRound, index: int, number: int) -> None:
         self.round, self.index, self.number = round, index, number
-
-    @property
-    def is_master(self) -> bool:
-        return self.index == 0
-
-    def exchange(self, direction: str, payload: Any, combine: Callable[[list[Any]], Any]) -> Any:
-        return self.round.exchange((direction, self.number), self.index, payload, combine)
 
 
 class ReplicaHandle:

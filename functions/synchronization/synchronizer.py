@@ -1,37 +1,16 @@
 """Where the replicas and the ranks of a synchronized layer meet, for one call: the one owner of
-rounds, streams, fences, collectives, failure reporting and aborts.
+the call's native run, its collectives, its failure reporting and its aborts.
 
 The layer builds a :class:`Synchronizer` for each call that syncs (training with more than one
-replica in the process, or a process group of more than one rank). On the native path
-(src/sync_batch_norm.cpp, where the compiled module is loaded) the replicas meet in C++, and the
-process master builds, merges and judges the collectives' rows itself, calling back only for the
-collectives (:meth:`Synchronizer.gather_rows`, :meth:`Synchronizer.reduce_row`), for a verdict
-that fails at once (:meth:`Synchronizer.judge_gathered`, :meth:`Synchronizer.judge_summed`), and,
-where the checks are deferred, to queue the verdicts that it has copied to host memory itself
-(:meth:`Synchronizer.defer_gathered`, :meth:`Synchronizer.defer_summed`). On the Python path the autograd Function
-meets the other replicas once per direction, with :meth:`Synchronizer.on_master`: each replica posts
-its part of the call (its tensors, and the stream it runs on) to its round (the same native
-meeting: :meth:`functions.synchronization.replicas.ReplicaRound.exchange`) and waits; the master's work (run by
-the replica that arrives last) does the whole call for every replica, in replica order, on each
-part's stream, and hands each its own result. The master's work asks this class for what
-crosses replicas and ranks:
-
-- :meth:`Synchronizer.merge_stats`: the replicas' (count, mean, M2) fetched onto the master's
-  device after each part's work (:mod:`functions.devices`: an event per part, no host sync),
-  checked to agree and merged (:func:`functions.stats.merge`), and, where a process group is
-  given, merged into the process's part and sent through ONE all_gather, whose rows every rank
-  merges in rank order (:mod:`functions.synchronization.distributed`); the running statistics updated once;
-- :meth:`Synchronizer.sum_over_ranks`: the backward's (sum_dy, sum_dy_xmu) row over the ranks in
-  ONE all_reduce;
-- :meth:`Synchronizer.stream_for`: the stream a replica runs on, which the master runs its part
-  on (:func:`functions.devices.on_stream`); what the master made on its own device reaches the
-  others after an event (:func:`functions.devices.fetch`).
-
-Why one replica does every replica's work on this path: replicas are threads of one process, and
-every call into torch from Python hands the GIL to another runnable replica and waits to get it
-back. A replica that only posts and waits (without the GIL) makes no such call while the others
-run. The kernels' own work is not serialized by it where it matters: CUDA kernels are queued on
-each replica's stream, and the CPU kernels use every core themselves.
+replica in the process, or a process group of more than one rank) and runs the call through it
+(:meth:`Synchronizer.batch_norm`, :meth:`Synchronizer.inplace_abn`): one native call per replica
+and direction (``src/sync_batch_norm.cpp``), without the GIL, whose replicas meet at their round
+(``src/replica_round.h``). The process master builds, merges and judges the collectives' rows in
+C++ and calls back only for the collectives (:meth:`Synchronizer.gather_rows`,
+:meth:`Synchronizer.reduce_row`), for a verdict that fails at once
+(:meth:`Synchronizer.judge_gathered`, :meth:`Synchronizer.judge_summed`), and, where the checks
+are deferred, to queue the verdicts it has copied to host memory
+(:meth:`Synchronizer.defer_gathered`, :meth:`Synchronizer.defer_summed`).
 
 Whoever catches an error during the call hands it to :meth:`Synchronizer.fail`: the other
 replicas of the round are released at once (they raise instead of waiting), and a process master
@@ -45,26 +24,19 @@ joined once per backward pass with the failed identity.
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from . import checks, distributed
-from .. import checkpointing, devices, stats, torch_internals
-from ..operators import reference
-from .distributed import (
-    ProcessGroupCall, ProcessGroupSync, all_gather_stats, all_reduce_sums, report_backward_failure, report_failure,
-)
-from .replicas import ReplicaCall, ReplicaHandle
-from ..stats import LocalStats, Running, update_running_stats
-
-Part = TypeVar("Part")
-Result = TypeVar("Result")
+from .. import checkpointing, stats, torch_internals
+from ..operators import backend
+from .distributed import ProcessGroupCall, ProcessGroupSync, report_backward_failure, report_failure
+from .replicas import ReplicaCall, ReplicaHandle, ReplicaSyncError
 
 
 class Synchronizer:
@@ -73,7 +45,8 @@ class Synchronizer:
 
     ``layer`` names the layer in errors; ``channels`` and ``device`` (the layer's) shape the
     failed-flag row that :meth:`fail` sends to the ranks. ``count`` is the global number of
-    values per channel once :meth:`merge_stats` has run (on the master).
+    values per channel once the forward has run (an int, or a 0-dim device tensor where the
+    ranks' checks are deferred).
     """
 
     def __init__(
@@ -92,7 +65,7 @@ class Synchronizer:
         self._joined_pass = -2  # the backward pass whose all_reduce it joined (-2: none)
         self.region: object | None = None
         """The non-reentrant checkpointed region (its frame) this call runs in, if any."""
-        self.native: tuple | None = None  # the native path's process master: distributed.native_ranks
+        self.native: tuple | None = None  # what the native Ranks reads: distributed.native_ranks
         self.normalization: tuple[Tensor, Tensor] | None = None
         """This replica's (mean, invstd) once the forward has made them."""
         self.given: tuple[Tensor, Tensor, int | Tensor | None] | None = None
@@ -119,114 +92,85 @@ class Synchronizer:
         process_call = process_calls.next_call(group, layer) if group is not None and is_process_master else None
         return cls(replica_call, process_call, layer, channels, device)
 
-    @property
-    def is_master(self) -> bool:
-        """The one replica of the process that does every replica's work and updates the
-        running statistics."""
-        return self.replica_call is None or self.replica_call.is_master
-
     def statistics(self) -> tuple[Tensor, Tensor, int | Tensor | None] | None:
-        """This replica's (mean, invstd, count) once the forward ran (the count where this is the
-        master), for a checkpoint's recomputation to be :attr:`given`; None before."""
+        """This replica's (mean, invstd, count) once the forward ran, for a checkpoint's
+        recomputation to be :attr:`given`; None before."""
         return None if self.normalization is None else (*self.normalization, self.count)
 
-    def stream_for(self, device: torch.device) -> "torch.cuda.Stream | None":
-        """The stream this replica runs on, on ``device``, for the master to run its part on
-        (None: a CPU device, or no other replica in the process, whose work runs here)."""
-        if self.replica_call is None or device.type != "cuda":
-            return None
-        return torch.cuda.current_stream(device)
+    def batch_norm(
+        self, input: Tensor, weight: Tensor | None, bias: Tensor | None, running: stats.Running, eps: float,
+        residual: Tensor | None, negative_slope: float | None,
+    ) -> Tensor:
+        """This replica's call of :func:`functions.sync_batchnorm.sync_batch_norm`'s math with the
+        statistics over every replica and rank (or :attr:`given`), and a backward that meets
+        again: ``running`` is (running_mean, running_var, num_batches_tracked, momentum)."""
+        return self._run("sync_batch_norm", input, weight, bias, *running, eps, residual, negative_slope)
 
-    def on_master(self, direction: str, part: Part, work: Callable[[list[Part]], Sequence[Result]]) -> Result:
-        """Post ``part`` and return this replica's result of ``work``, which the master runs once
-        over every replica's part (in replica order) and which returns one result per part.
-        Raises :class:`~functions.ReplicaSyncError` when another replica failed or one never came
-        (after the round's timeout); an error raised by ``work`` is the master's, and breaks the
-        round for the others."""
-        if self.replica_call is None:
-            return work([part])[0]
+    def inplace_abn(
+        self, x: Tensor, weight: Tensor | None, bias: Tensor | None, running: stats.Running, eps: float,
+        activation: str, activation_param: float,
+    ) -> Tensor:
+        """:func:`functions.inplace_abn.inplace_abn`'s math written over ``x``, with the statistics
+        over every replica and rank (or :attr:`given`), and a backward that meets again."""
+        return self._run("inplace_abn", x, weight, bias, *running, eps, activation, activation_param)
+
+    def _run(self, name: str, input: Tensor, *arguments: Any) -> Tensor:
+        """The native call ``name`` (``src/sync_batch_norm.cpp``) for this replica: it computes its
+        statistics, meets, normalizes its own input and records the node whose backward meets
+        again; this keeps its (mean, invstd) in :attr:`normalization` and the count in
+        :attr:`count`. Raises :class:`~functions.ReplicaSyncError` where the round broke."""
         call = self.replica_call
-        return call.exchange(direction, part, work)[call.index]
-
-    def merge_stats(self, parts: list[LocalStats], running: Running) -> tuple[Tensor, Tensor]:
-        """On the master: the replicas' parts (and, with a process group, every rank's) merged,
-        on the first part's device, as (mean, biased variance), float64, and the layer's
-        ``running`` statistics updated once; :attr:`count` is the total, for the backward.
-        Raises when they disagree on channels or dtype, or hold one value per channel between
-        them, and updates nothing then; the ranks raise alike (at once, or deferred where their
-        checks are: :mod:`functions.synchronization.checks`). The count is
-        an int, or a 0-dim float64 tensor on the device where it comes from a collective whose
-        checks are deferred (:func:`functions.synchronization.distributed.all_gather_stats`)."""
-        stats.check_inputs_agree(self.layer, [p.mean.numel() for p in parts], [p.input_dtype for p in parts])
-        parts = _on_one_device(parts)
-        if self.process_call is not None:
-            return self._gather_over_ranks(stats.merge_into_one(parts), running)
-        stats.check_values_per_channel(sum(part.count for part in parts), self.layer, [p.input_shape for p in parts])
-        self.count, mean, var = stats.merge(parts)
-        update_running_stats(running, mean, var, self.count)
-        return mean, var
-
-    def sum_over_ranks(self, sum_dy: Tensor, sum_dy_xmu: Tensor) -> tuple[Tensor, Tensor]:
-        """On the master: the replicas' summed (sum_dy, sum_dy_xmu), summed over the ranks too
-        (one all_reduce of both as one row), or themselves without a process group."""
-        if self.process_call is None:
-            return sum_dy, sum_dy_xmu
-        self._joined_pass = torch_internals.current_graph_task_id()
-        return all_reduce_sums(sum_dy, sum_dy_xmu, self.process_call)
+        round = None if call is None else call.round.native()  # raises where replicas cannot meet
+        native_call = getattr(_native(self.layer), name)
+        if self.process_call is not None:  # what the native Ranks reads of the call
+            self.native = distributed.native_ranks(self.process_call, input.dtype, input.device)
+        try:
+            y, mean, invstd, self.count = native_call(
+                round, 0 if call is None else call.index,
+                0 if call is None else call.number, input, *arguments, self.layer,
+                None if self.process_call is None else self, self.given,
+            )
+        except ReplicaSyncError as error:
+            cause = None if call is None else call.round.failure_cause
+            if error.__cause__ is None and cause is not None and not isinstance(cause, ReplicaSyncError):
+                error.__cause__ = cause
+            raise
+        self.normalization = mean, invstd
+        return y
 
     def gather_rows(self, row: Tensor) -> Tensor:
-        """The native path's all_gather of this process's ``row`` (built by the caller): every
-        rank's, (world, len(row)). A deferred failure found first raises before joining, as
-        :meth:`_gather_over_ranks`."""
+        """The all_gather of this process's ``row`` (built by the native call): every
+        rank's, (world, len(row))."""
+        # a deferred failure found here raises before this rank joins the collective, so that
+        # fail() joins it with a failed flag: the ranks' collectives stay paired
         checks.poll()
         self._joined_collective = True
         return distributed.all_gather_rows(row, self.process_call)
 
     def judge_gathered(self, valid: Tensor, rows: Tensor) -> None:
-        """The native path's forward checks where they fail (``valid`` false), read at once:
-        raises, as the Python path does (:func:`functions.synchronization.distributed.judge_gathered`)."""
+        """The forward checks where they fail (``valid`` false), read at once: raises
+        (:func:`functions.synchronization.distributed.judge_gathered`)."""
         distributed.judge_gathered(self.process_call, valid, rows)
 
     def defer_gathered(self, valid: Tensor, headers: Tensor, ready: checks.Ready | None) -> None:
-        """The native path's forward checks where they are deferred: ``valid`` and the rows'
+        """The forward checks where they are deferred: ``valid`` and the rows'
         ``headers`` on their way to host memory, read once ``ready`` has passed
         (:func:`functions.synchronization.distributed.defer_gathered`)."""
         distributed.defer_gathered(self.process_call, valid, headers, ready)
 
     def reduce_row(self, row: Tensor) -> None:
-        """The native path's all_reduce of its backward ``row``, in place."""
+        """The all_reduce of the native backward's ``row``, in place."""
         self._joined_pass = torch_internals.current_graph_task_id()
         distributed.all_reduce_row(row, self.process_call)
 
     def judge_summed(self, row: Tensor) -> None:
-        """The native path's backward checks where they fail, read at once: raises."""
+        """The backward checks where they fail, read at once: raises."""
         distributed.judge_summed(self.process_call, row)
 
     def defer_summed(self, identities: Tensor, ready: checks.Ready | None) -> None:
-        """The native path's backward checks where they are deferred: the summed ``identities``
+        """The backward checks where they are deferred: the summed ``identities``
         on their way to host memory (:func:`functions.synchronization.distributed.defer_summed`)."""
         distributed.defer_summed(self.process_call, identities, ready)
-
-    def sum_with_ranks(self, sum_dy: Tensor, sum_dy_xmu: Tensor) -> tuple[Tensor, Tensor, int]:
-        """On the master (the Python path's backward): the process's sums over every rank, as
-        backward_elemt takes them with the count returned (divided by the count here where it is
-        a device tensor: deferred checks)."""
-        total_dy, total_dy_xmu = self.sum_over_ranks(sum_dy, sum_dy_xmu)
-        assert self.count is not None
-        if isinstance(self.count, Tensor):
-            return reference.sums_per_value(total_dy, total_dy_xmu, self.count)
-        return total_dy, total_dy_xmu, self.count
-
-    def _gather_over_ranks(self, local: LocalStats, running: Running) -> tuple[Tensor, Tensor]:
-        """This process's part merged with every rank's (one all_gather) and ``running`` updated:
-        mean, variance; :attr:`count` the total."""
-        assert self.process_call is not None
-        # a deferred failure found here raises before this rank joins the collective, so that
-        # fail() joins it with a failed flag: the ranks' collectives stay paired
-        checks.poll()
-        self._joined_collective = True
-        self.count, mean, var = all_gather_stats(local, self.process_call, running)
-        return mean, var
 
     def owe_backward(self) -> None:
         """This call's forward made a backward node that will meet the ranks, in the checkpointed
@@ -332,14 +276,26 @@ def check_not_captured(input: Tensor, layer: str, direction: str = "forward") ->
         stats.check_not_capturing(torch.cuda.is_current_stream_capturing(), layer, direction)
 
 
-def _on_one_device(parts: list[LocalStats]) -> list[LocalStats]:
-    """The parts with their mean and M2 on the first part's device, each copied (or, already
-    there, read: replicas on one GPU may run on different streams) after the work that produced
-    it."""
-    device = parts[0].mean.device
-    return [
-        part
-        if part.mean.device == device and part.ready is None
-        else dataclasses.replace(part, mean=devices.fetch(part.mean, device, part.ready), m2=devices.fetch(part.m2, device, part.ready))
-        for part in parts
-    ]
+def check_not_transformed(input: Tensor, layer: str) -> None:
+    """Refuse a synchronized call of ``layer`` under a torch.func transform (on this thread, or
+    one whose wrapped tensor reached a replica's thread), before any work: its meetings and
+    collectives run outside autograd and outside the transforms' interpreters."""
+    if torch_internals.functorch_transforms_active() or torch_internals.is_functorch_wrapped(input):
+        raise RuntimeError(
+            f"{layer}: torch.func transforms (grad, vjp, jvp, vmap) over a layer synchronized across replicas or "
+            "processes are not supported; take gradients with torch.autograd (loss.backward(), "
+            "torch.autograd.grad), or run the transform on one device in one process, where the layer is "
+            "nn.BatchNorm*'s math (vmap with torch.func.replace_all_batch_norm_modules_)"
+        )
+
+
+def _native(layer: str) -> Any:
+    """The compiled module that runs every synchronized call. Without it replicas refuse to meet
+    and ranks alone take the traced path, so this only names what is missing."""
+    if backend.NATIVE_ROUNDS is None:
+        raise RuntimeError(f"{layer}: a synchronized call needs the compiled extension, which is not loaded: {backend.BUILD_HINT}")
+    return backend.NATIVE_ROUNDS
+
+
+if backend.NATIVE_ROUNDS is not None:  # the rows' layout, once: the native call builds them
+    backend.NATIVE_ROUNDS.set_row_layout(*distributed.row_layout())
