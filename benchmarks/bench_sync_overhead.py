@@ -7,12 +7,11 @@ unsynced layer in the same setting, what synchronizing adds, and of that the mee
 collectives in place, the ResNet's meetings) and our own part. Per layer = (step with 16 stacked
 layers - step with 1 layer) / 15, a step being forward + backward (the input requires grad, as
 inside a network) of a tiny (8, 8, 4, 4) float32 input, one intra-op thread; the ResNet's rows
-are per training step, the bare exchange's per exchange:
+are per training step:
 
 - threads: ``ThreadedDataParallel(["cpu"] * R)`` over our ``SyncBatchNorm2d`` against
-  ``nn.BatchNorm2d`` (unsynced) in the same wrapper, R = 2, 4, 8; our replicas meeting natively
-  (one call per layer and direction, the default) and through the autograd Function in Python
-  (the in-place activated layers' path), whose replicas exchange Python objects;
+  ``nn.BatchNorm2d`` (unsynced) in the same wrapper, R = 2, 4, 8; our replicas meet natively
+  (one call per layer and direction);
 - processes: R Gloo ranks on loopback under DDP, ours against ``nn.BatchNorm2d`` and against
   torch's layer making our two collectives where ours makes them (the meeting in place, with the
   ranks' skew between collectives); every rank runs the same fixed number of steps, the slowest
@@ -29,8 +28,7 @@ are per training step, the bare exchange's per exchange:
   the process's default (shared among the replicas; and torch's step once more with every replica
   starting a team of all of them); the contenders alternate step by step (blocks of steps taken in
   turn let a slow spell of a VM fall on one contender), measured first, while
-  ThreadedDataParallel's pool of worker threads holds only theirs;
-- the bare exchange: R threads meeting in ``ReplicaRound.exchange`` with a trivial combine.
+  ThreadedDataParallel's pool of worker threads holds only theirs.
 
 A cost is the difference of the contenders' medians over the rounds, and its noise half the range
 of that difference over the rounds (the ResNet's: over blocks of alternating steps); a cost within
@@ -48,7 +46,6 @@ import argparse
 import functools
 import os
 import sys
-import threading
 import time
 from statistics import median
 from typing import Callable
@@ -69,7 +66,6 @@ from bench_toolchain import FIXED_COST_SHAPE, fixed_cost_steps  # noqa: E402
 from results import Column  # noqa: E402
 from syncbn.functions.operators import backend  # noqa: E402
 from syncbn.functions.synchronization import checks, distributed  # noqa: E402
-from syncbn.functions.synchronization.replicas import ReplicaRound  # noqa: E402
 from helpers import BasicBlock  # noqa: E402
 import syncbn.modules.batchnorm  # noqa: E402
 import syncbn.functions.synchronization.replica_threads  # noqa: E402
@@ -126,16 +122,15 @@ def cost(plus: list[list[float]], minus: list[list[float]]) -> Cost:
     return sum(map(median, plus)) - sum(map(median, minus)), spread(per_repeat)
 
 
-def threads_row(replicas: int, min_run_time: float, rounds: int, native: bool) -> tuple[list[float], list[float]]:
+def threads_row(replicas: int, min_run_time: float, rounds: int) -> tuple[list[float], list[float]]:
     """Per-layer seconds, round by round, of ours and of torch's unsynced layer under R thread
-    replicas; ours in one native call each, or through the autograd Function in Python."""
+    replicas."""
     timers = {
         (kind, depth): step_of(ThreadedDataParallel(stack(layer, depth), ["cpu"] * replicas), SHAPE[0])
         for kind, layer in (("ours", NN.SyncBatchNorm2d), ("torch", nn.BatchNorm2d))
         for depth in (1, DEEP)
     }
-    with mock.patch.object(syncbn.modules.batchnorm, "native_serves", syncbn.modules.batchnorm.native_serves if native else lambda: False):
-        t = interleaved(timers, min_run_time, rounds)
+    t = interleaved(timers, min_run_time, rounds)
     return layer_samples(t, lambda depth: ("ours", depth)), layer_samples(t, lambda depth: ("torch", depth))
 
 
@@ -214,31 +209,6 @@ def resnet_without_thread_shares(replicas: int, min_run_time: float, threads: in
     with mock.patch.object(syncbn.functions.synchronization.replica_threads, "set_thread_intra_op_threads", lambda share: every_thread()):
         timer.timeit(3)
         return timer.blocked_autorange(min_run_time=min_run_time).median
-
-
-def bare_exchange(replicas: int, exchanges: int = 2000) -> float:
-    """Seconds per exchange of R threads in one round, combine summing ints."""
-    round = ReplicaRound("bench", 1, 60.0)
-    for _ in range(replicas):
-        round.add(nn.Identity())
-    barrier = threading.Barrier(replicas + 1)
-
-    def replica(index: int) -> None:
-        barrier.wait()
-        for k in range(exchanges):
-            round.exchange(("forward", k), index, index, sum)
-        barrier.wait()
-
-    threads = [threading.Thread(target=replica, args=(j,)) for j in range(replicas)]
-    for thread in threads:
-        thread.start()
-    barrier.wait()
-    start = time.perf_counter()
-    barrier.wait()
-    elapsed = time.perf_counter() - start
-    for thread in threads:
-        thread.join()
-    return elapsed / exchanges
 
 
 def time_fixed(fn: Callable[[], object], number: int) -> float:
@@ -443,10 +413,9 @@ def measure(args: argparse.Namespace, default_threads: int) -> list[dict]:
     resnet = [r for threads in sorted({1, default_threads}) for r in resnet_rows(4, args.steps, rounds, threads, args.min_run_time)]
     rows = []
     for replicas in replica_counts:
-        for native, how in ((True, "native meeting"), (False, "Python exchange")):
-            (ours, theirs), stolen = least_stolen(lambda: threads_row(replicas, args.min_run_time, rounds, native))
-            rows.append(row(f"ThreadedDataParallel, {replicas} CPU replicas, {how}", ours, theirs, stolen,
-                            dict(adds=cost([ours], [theirs])), kind="threads", replicas=replicas, route="native" if native else "python"))
+        (ours, theirs), stolen = least_stolen(lambda: threads_row(replicas, args.min_run_time, rounds))
+        rows.append(row(f"ThreadedDataParallel, {replicas} CPU replicas", ours, theirs, stolen,
+                        dict(adds=cost([ours], [theirs])), kind="threads", replicas=replicas))
     for world in (2,) if args.quick else (2, 4):
         rows += process_rows(world, 20 if args.quick else 40, 2 * rounds - 1)
     free, stolen = least_stolen(lambda: free_collectives_row(args.min_run_time, rounds))
@@ -457,10 +426,7 @@ def measure(args: argparse.Namespace, default_threads: int) -> list[dict]:
     lone, stolen = least_stolen(lambda: lone_replica_row(args.min_run_time, rounds))
     rows.append(row(f"a lone replica (no wrapper, no process group: our fixed cost), {FIXED_COST_SHAPE}", lone["ours"],
                     lone["torch"], stolen, dict(own=cost([lone["ours"]], [lone["torch"]])), kind="lone"))
-    exchanges, stolen = least_stolen(lambda: {r: bare_exchange(r) for r in replica_counts})
-    rows += resnet + [row(f"the bare exchange of Python objects (ReplicaRound.exchange), {r} threads, per exchange", [t], None,
-                          stolen, kind="exchange", replicas=r) for r, t in exchanges.items()]
-    return rows
+    return rows + resnet
 
 
 def summary(rows: list[dict]) -> str:
@@ -472,8 +438,7 @@ def summary(rows: list[dict]) -> str:
         return r[key] if r[key].endswith(")") else r[key] + " us"  # "within noise (...)" has its unit
 
     counts = sorted({r["replicas"] for r in rows if r["kind"] == "threads"})
-    routes = {route: " / ".join(text(find(kind="threads", replicas=n, route=route), "adds") for n in counts)
-              for route in ("native", "python")}
+    threads = " / ".join(text(find(kind="threads", replicas=n), "adds") for n in counts)
     ddp, free, resnet = find(kind="ranks", checks="layer"), find(kind="free", checks="layer"), find(kind="resnet", threads=1)
     if resnet["adds_us"] > resnet["adds_noise_us"]:
         step = (f"takes {resnet['ratio']:.3f}x the unsynced step, {text(resnet, 'adds')} more, of which the meetings "
@@ -481,8 +446,8 @@ def summary(rows: list[dict]) -> str:
     else:
         step = f"takes the unsynced step's time, the difference {text(resnet, 'adds')}"
     return (
-        f"Per layer under ThreadedDataParallel with {' / '.join(map(str, counts))} replicas, the native meeting adds "
-        f"{routes['native']} and the Python exchange {routes['python']}. Across {ddp['world']} Gloo processes a layer "
+        f"Per layer under ThreadedDataParallel with {' / '.join(map(str, counts))} replicas, synchronizing adds "
+        f"{threads}. Across {ddp['world']} Gloo processes a layer "
         f"adds {text(ddp, 'adds')}, of which the two collectives where ours makes them take {text(ddp, 'meeting')}, our "
         f"own part beyond them {text(ddp, 'own')} ({text(free, 'own')} where the collectives cost nothing), and a lone "
         f"replica's fixed cost is {text(find(kind='lone'), 'own')}. A small ResNet's training step under 4 thread "

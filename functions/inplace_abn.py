@@ -28,7 +28,7 @@ from .operators import reference
 from .operators.ops import OVERLOADS
 from .operators.reference import accumulation_dtype, in_dtype, memory_format_of, values_per_channel
 from .operators.reference_abn import ABN_ACTIVATIONS
-from .stats import LocalStats, Running, check_values_per_channel, merge, update_running_stats
+from .stats import Running, check_values_per_channel, update_running_stats
 from .synchronization.synchronizer import Synchronizer
 
 
@@ -110,7 +110,7 @@ def _batch_normalization(x: Tensor, running: Running, eps: float, layer: str) ->
     count = values_per_channel(x)
     check_values_per_channel(count, layer, [x.shape])
     mean, m2 = OVERLOADS.local_stats(x)
-    count, mean, var = merge([LocalStats(count, mean, m2, x.dtype, x.shape)])
+    var = m2 / count
     update_running_stats(running, mean, var, count)
     return reference.normalization(mean, var, eps, accumulation_dtype(x.dtype))
 

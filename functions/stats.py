@@ -1,28 +1,13 @@
-"""What one replica (or one process) contributes to a synchronized layer's statistics, and how the
-contributions are checked and merged (math only: the parts' tensors are on one device)."""
+"""The checks of a synchronized layer's statistics (one text per message, raised for the native
+call too) and the merge of counted parts (math only: the parts' tensors are on one device)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from . import devices
 from .operators.ops import OVERLOADS
-
-
-@dataclass(frozen=True)
-class LocalStats:
-    """One replica's contribution: count, mean and M2 per channel, and what it was taken of."""
-
-    count: int
-    mean: Tensor
-    m2: Tensor
-    input_dtype: torch.dtype
-    input_shape: torch.Size
-    ready: object = field(default=None, compare=False, repr=False)
-    """A CUDA event after the work that produced mean and m2 (:func:`functions.devices.mark_ready`), or None."""
 
 
 def check_values_per_channel(total: int, layer: str, shapes: Sequence[Sequence[int]], parts: str = "replicas") -> None:
@@ -61,17 +46,6 @@ def check_not_capturing(capturing: bool, layer: str, direction: str) -> None:
         )
 
 
-def merge(parts: list[LocalStats]) -> tuple[int, Tensor, Tensor]:
-    """Count, mean and biased variance of the parts' union, with Chan's formula (the
-    ``merge_stats`` operator); count 0 gives mean 0 and variance 1."""
-    first = parts[0]
-    total = sum(part.count for part in parts)
-    if len(parts) == 1 and total > 0:
-        return total, first.mean, first.m2 / total
-    counts = devices.host_values_on([part.count for part in parts], first.mean.device, first.mean.dtype)
-    return total, *merge_rows(total, counts, torch.stack([part.mean for part in parts]), torch.stack([part.m2 for part in parts]))
-
-
 def merge_rows(total: int, counts: Tensor, means: Tensor, m2s: Tensor) -> tuple[Tensor, Tensor]:
     """Mean and biased variance of the union of ``(R,)`` counts (``total`` in all, known on the
     host) and ``(R, C)`` means and M2s, with Chan's formula (the ``merge_stats`` operator); an
@@ -81,21 +55,11 @@ def merge_rows(total: int, counts: Tensor, means: Tensor, m2s: Tensor) -> tuple[
     return OVERLOADS.merge_stats(counts, means, m2s)
 
 
-def merge_into_one(parts: list[LocalStats]) -> LocalStats:
-    """The parts as one contribution (what a process sends to the other ranks)."""
-    if len(parts) == 1:
-        return parts[0]
-    count, mean, var = merge(parts)
-    first = parts[0]
-    shape = torch.Size([sum(part.input_shape[0] for part in parts), *first.input_shape[1:]])
-    return LocalStats(count, mean, var * count, first.input_dtype, shape)
-
-
 Running = tuple[Tensor | None, Tensor | None, Tensor | None, float | None]
 """A layer's (running_mean, running_var, num_batches_tracked, momentum)."""
 
 
 def update_running_stats(running: Running, mean: Tensor, var: Tensor, count: int) -> None:
     """The running statistics' update, once per step on the master (the operator; across ranks
-    it is part of ``merge_gathered_stats``: :func:`functions.synchronization.distributed.all_gather_stats`)."""
+    it is part of ``merge_gathered_stats``: :class:`functions.synchronization.synchronizer.Synchronizer`)."""
     OVERLOADS.update_running_stats(*running, mean, var, count)

@@ -1,6 +1,5 @@
-// Where the replicas of one layer meet inside one process: the one meeting, for the native
-// synchronized call (src/sync_batch_norm.cpp) and for the Python objects of the autograd
-// Function's path (src/object_exchange.cpp); functions/synchronization/replicas.py holds who belongs to a round.
+// Where the replicas of one layer meet inside one process, for the native synchronized call
+// (src/sync_batch_norm.cpp); functions/synchronization/replicas.py holds who belongs to a round.
 // A replica posts its part of a call and waits without the GIL; once all have arrived, the last to arrive runs the master's (index 0) combine over
 // every part and publishes one result per part. Every wait has the round's timeout; a failure, a
 // timeout or an abort from Python breaks the round and wakes every waiter at once.

@@ -1,21 +1,16 @@
-// The synchronized layer's native path, for every synchronized call where the compiled module is
-// loaded: one call per replica and direction, without the GIL. sync_batch_norm computes this
-// replica's statistics, posts them to its ReplicaRound (src/replica_round.h; none: the only
-// replica of its process) and waits; the master's merge (run by the replica that arrives last,
-// on the master's stream: src/replica_round.h) merges every replica's, and, with a process
-// group, merges the process's part with the other ranks' (Ranks: the row, the merge of the
-// gathered rows with the running statistics' update and the checks here; the all_gather through
-// Synchronizer.gather_rows), else updates the running statistics itself; it publishes mean
-// and invstd, and each replica normalizes its own input. The backward node does the same with
-// the (sum_dy, sum_dy_xmu) sums (the all_reduce through Synchronizer.reduce_row). Each replica's
-// kernels run in its own thread, on its own stream, in parallel; only the merge is the master's work.
-// The math is functions/sync_batchnorm.py's (the autograd Function's path, whose replicas meet at
-// the same round exchanging Python objects, one of them doing every replica's work, since a
-// Python thread pays for each call into torch with a turn of the GIL), over the same
-// torch.ops.syncbn operators, called through the dispatcher (a part on a GPU takes the CUDA
-// kernels). Device-generic: what crosses devices is
-// fenced by an event and kept alive for the copying stream (record_stream), as
-// functions/devices.py does.
+// Every synchronized call, in one native call per replica and direction, without the GIL:
+// sync_batch_norm (the plain and fused layers) and inplace_abn (the in-place activated ones).
+// The replica computes its statistics, posts them to its ReplicaRound (src/replica_round.h; none:
+// the only replica of its process) and waits; the master's merge (run by the replica that arrives
+// last, on the master's stream) merges every replica's and, with a process group, the ranks'
+// (Ranks: the row, the merge of the gathered rows with the running statistics' update, the
+// checks; the all_gather through Synchronizer.gather_rows), else updates the running statistics
+// itself; each replica normalizes its own input. A checkpoint's recomputation is given the first
+// run's statistics and meets no one in its forward. The backward nodes meet again with the
+// per-channel sums (the all_reduce through Synchronizer.reduce_row). The math is
+// functions/sync_batchnorm.py's and functions/inplace_abn.py's, over the same torch.ops.syncbn
+// operators called through the dispatcher (a part on a GPU takes the CUDA kernels). What crosses
+// devices is fenced by an event and kept alive for the copying stream (record_stream).
 #include <ATen/Dispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/Event.h>
@@ -112,8 +107,8 @@ OptStream current_stream(const at::Device& device) {
   return c10::impl::VirtualGuardImpl(device.type()).getStream(device);
 }
 
-// An event after the work queued so far on `stream` (none off CUDA: as functions/devices.py, since
-// record_stream, which a fence pairs with, has CUDA kernels only).
+// An event after the work queued so far on `stream` (none off CUDA: record_stream, which a fence
+// pairs with, has CUDA kernels only).
 Ready mark_ready(const OptStream& stream) {
   if (!stream || stream->device_type() != c10::DeviceType::CUDA) return nullptr;
   auto event = std::make_shared<c10::Event>(stream->device_type());
@@ -219,8 +214,8 @@ struct MasterCall {
   std::string layer;
 };
 
-// A failed check, explained and raised by its function in functions/stats.py (each message has
-// one text, the Python path's), as a python_error that crosses threads and the autograd engine.
+// A failed check, explained and raised by its function in syncbn.functions.stats (each message
+// has one text), as a python_error that crosses threads and the autograd engine.
 template <typename... Args>
 [[noreturn]] void raise_failed_check(const char* check, const Args&... args) {
   python_error error;
@@ -338,8 +333,8 @@ class Ranks {
     }
   }
 
-  // The global count of the forward that merged, as the Python path's Synchronizer.count holds
-  // it: an int, or the device total where the checks are deferred; `process` without ranks.
+  // The global count of the forward that merged, as Synchronizer.count holds it: an int, or the
+  // device total where the checks are deferred; `process` without ranks.
   pybind11::object count(int64_t process) const {
     if (device_count_.defined()) return pybind11::cast(device_count_);
     return pybind11::int_(sync_ ? count_ : process);
@@ -358,8 +353,7 @@ class Ranks {
 
   // (mean, var) over every rank, from this process's (count, mean, M2) of an input of `sizes`:
   // one all_gather of the row [header, mean, M2], the rows merged in rank order with the running
-  // statistics' update (where they pass the checks: merge_gathered_stats), as
-  // functions.synchronization.distributed.all_gather_stats does.
+  // statistics' update (where they pass the checks: merge_gathered_stats).
   std::tuple<at::Tensor, at::Tensor> merge(int64_t count, const at::Tensor& mean, const at::Tensor& m2,
                                            const std::vector<int64_t>& sizes, const MasterCall& call) {
     const auto& layout = row_layout();
@@ -392,7 +386,7 @@ class Ranks {
   }
 
   // (sum_dy, sum_dy_xmu, count) over every rank, as backward_elemt takes them: one all_reduce of
-  // the row [id, id^2, n, n^2, sum_dy, sum_dy_xmu], as functions.synchronization.distributed.all_reduce_sums.
+  // the row [id, id^2, n, n^2, sum_dy, sum_dy_xmu].
   std::tuple<at::Tensor, at::Tensor, int64_t> sum(const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu) const {
     const std::vector<double> identities{layer_id_, layer_id_ * layer_id_, number_, number_ * number_};
     const auto row = ops().pack_row.call(identities, sum_dy, sum_dy_xmu);
@@ -527,9 +521,9 @@ bool are_host_vectors_alike(const std::vector<at::Tensor>& ts) {
          });
 }
 
-// Host vectors summed per channel in replica order, in their dtype (as the Python exchange's
-// stack-and-sum adds a few replicas): one loop where stacking and summing takes two ATen calls
-// (the merge is a meeting's serial step).
+// Host vectors summed per channel in replica order, in their dtype (the bits of stacking and
+// summing a few replicas): one loop where that takes two ATen calls (the merge is a meeting's
+// serial step).
 at::Tensor sum_on_host(const std::vector<at::Tensor>& ts) {
   auto total = at::empty_like(ts[0]);
   AT_DISPATCH_FLOATING_TYPES(total.scalar_type(), "syncbn_sum_on_host", [&] {

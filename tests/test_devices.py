@@ -1,16 +1,9 @@
-"""functions.devices on the CPU (their CUDA fences are tested in tests/test_cuda.py)."""
+"""functions.devices on the CPU (its pinned copy to a GPU is tested in tests/test_cuda.py)."""
 from __future__ import annotations
 
 import torch
 
 from syncbn.functions import devices
-
-
-def test_a_tensor_already_on_the_device_is_not_copied() -> None:
-    # the master replica's own part is merged as it is: no copy, no event
-    x = torch.randn(4, dtype=torch.float64)
-    assert devices.mark_ready(x) is None
-    assert devices.fetch(x, "cpu") is x and devices.fetch(x, torch.device("cpu")) is x
 
 
 def test_counts_stay_exact_beyond_float32() -> None:
@@ -20,3 +13,8 @@ def test_counts_stay_exact_beyond_float32() -> None:
     on_cpu = devices.host_values_on(counts, "cpu")
     assert on_cpu.dtype == torch.float64 and [int(c) for c in on_cpu.tolist()] == counts
     assert devices.host_values_on(counts, "cpu", torch.float32).tolist() != counts  # why float64 is the default
+
+
+def test_a_tensor_already_on_the_device_is_not_copied() -> None:
+    x = torch.randn(4, dtype=torch.float64)
+    assert devices.fetch(x, "cpu") is x and devices.fetch(x, torch.device("cpu")) is x

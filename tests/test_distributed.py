@@ -767,14 +767,44 @@ def test_malformed_gathered_counts_are_explained_as_the_device_judged_them(count
     """Where merge_gathered_stats finds the rows invalid, the explanation read on the host names
     why, for every reason the device has: here a count no honest rank sends."""
     from syncbn.functions.synchronization import distributed
-    from syncbn.functions.stats import LocalStats
 
     call = distributed.ProcessGroupCall(object(), "SyncBatchNorm2d(2) 'bn'", layer_id=12345, number=0)
-    local = LocalStats(4, torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64), torch.float32, torch.Size([1, 2, 2, 2]))
-    rows = torch.stack([distributed._stats_row(local, call, failed=False)] * 2)
+    header = distributed.stats_header(call.layer_id, call.number, torch.float32, False, torch.Size([1, 2, 2, 2]), 4)
+    row = torch.ops.syncbn.pack_row(header, torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+    rows = torch.stack([row] * 2)
     rows[1, distributed.HEADER_SIZE - 1] = count
     *_, valid = torch.ops.syncbn.merge_gathered_stats(rows, distributed.HEADER_SIZE, distributed.DTYPE + 1, distributed.FAILED, None, None, None, None)
     error = distributed._explain_forward(call, rows[:, : distributed.HEADER_SIZE].tolist())
     assert not bool(valid)
     assert isinstance(error, RuntimeError) and "'bn'" in str(error) and "counts are malformed" in str(error)
     assert distributed._explain_forward(call, rows[:1, : distributed.HEADER_SIZE].tolist()) is None
+
+
+def _ranks_without_the_compiled_module(rank: int, world: int) -> list:
+    # ranks alone meet in the traced path's functional collectives, eagerly
+    backend.NATIVE_ROUNDS = None  # this process only
+    torch.manual_seed(0)
+    full = torch.randn(7, 3, 4, 4, dtype=torch.float64)
+    ours = NN.SyncBatchNorm2d(3).double()
+    x = (full[:3] if rank == 0 else full[3:]).clone().requires_grad_()
+    y = ours(x)
+    (y * torch.arange(y.numel(), dtype=torch.float64).view_as(y)).sum().backward()
+    return [y.detach(), x.grad, ours.running_mean, ours.running_var]
+
+
+def test_ranks_without_the_compiled_module_meet_in_functional_collectives() -> None:
+    torch.manual_seed(0)
+    full = torch.randn(7, 3, 4, 4, dtype=torch.float64)
+    ref = nn.BatchNorm2d(3).double()
+    xr = full.clone().requires_grad_()
+    y0 = ref(xr)
+    yr = torch.cat([y0[:3], y0[3:]])
+    weights = torch.cat([torch.arange(3 * 48, dtype=torch.float64).view(3, 3, 4, 4),
+                         torch.arange(4 * 48, dtype=torch.float64).view(4, 3, 4, 4)])
+    (yr * weights).sum().backward()
+    results = run_local_group(_ranks_without_the_compiled_module, 2)
+    torch.testing.assert_close(torch.cat([results[0][0], results[1][0]]), y0.detach(), atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(torch.cat([results[0][1], results[1][1]]), xr.grad, atol=1e-10, rtol=1e-10)
+    for rank in range(2):
+        torch.testing.assert_close(results[rank][2], ref.running_mean, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(results[rank][3], ref.running_var, atol=1e-12, rtol=1e-12)

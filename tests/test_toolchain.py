@@ -5,6 +5,7 @@ under torch.compile."""
 from __future__ import annotations
 
 import copy
+import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -17,6 +18,7 @@ from torch.func import functional_call, grad, vmap
 from helpers import SmallResNet, assert_same_state, randomize_affine, run_threads, stock_replicas
 from syncbn import nn as NN
 from syncbn.modules.parallel import ThreadedDataParallel
+from testkit.local_group import run_local_group
 
 
 @contextmanager
@@ -179,6 +181,50 @@ def test_double_backward_across_replicas_raises_naming_the_layer() -> None:
     )
     assert all(isinstance(r, RuntimeError) for r in results), results
     assert any("encoder.bn1" in str(r) and "double backward" in str(r) for r in results), results
+
+
+TRANSFORMS = {
+    "grad": lambda f, x: grad(lambda v: f(v).square().sum())(x),
+    "vjp-of-input": lambda f, x: torch.func.vjp(f, x)[1](torch.ones_like(x)),
+    "jvp": lambda f, x: torch.func.jvp(f, (x,), (torch.ones_like(x),)),
+    "vmap": lambda f, x: vmap(f)(x.unsqueeze(1)),
+}
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_a_transform_over_synchronized_replicas_raises_naming_the_layer(transform: str) -> None:
+    # every replica raises at once (the one under the transform says why; the others are released)
+    layer = NN.SyncBatchNorm2d(3, timeout=30).double()
+    layer.layer_name = "encoder.bn1"
+    replicas = stock_replicas(layer, 2)
+    chunks = [torch.randn(n, 3, 2, 2, dtype=torch.float64) for n in (2, 3)]
+    start = time.monotonic()
+    results = run_threads([lambda r=r, c=c: TRANSFORMS[transform](r, c) for r, c in zip(replicas, chunks)])
+    assert time.monotonic() - start < 10
+    assert all(isinstance(r, RuntimeError) for r in results), results
+    assert any("encoder.bn1" in str(r) and "torch.func transforms" in str(r) and "torch.autograd" in str(r)
+               for r in results), results
+    assert int(layer.num_batches_tracked) == 0
+
+
+def _transform_across_ranks(rank: int, world: int) -> list[str]:
+    layer = NN.SyncBatchNorm2d(3).double()
+    x = torch.randn(2 + rank, 3, 2, 2, dtype=torch.float64)
+    seen = []
+    for transform in TRANSFORMS.values():
+        try:
+            transform(layer, x)
+            seen.append("no error")
+        except RuntimeError as error:
+            seen.append(str(error))
+    y = layer(x)  # the ranks' calls stay paired: the next call meets as usual
+    y.sum().backward()
+    return seen
+
+
+def test_a_transform_across_ranks_raises_naming_the_layer_on_every_rank() -> None:
+    for seen in run_local_group(_transform_across_ranks, 2, timeout_s=20):
+        assert all("SyncBatchNorm2d(3)" in s and "torch.func transforms" in s for s in seen), seen
 
 
 def test_threaded_data_parallel_under_compile() -> None:

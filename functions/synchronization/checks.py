@@ -24,7 +24,7 @@ A deferred failure raises the same error as the debug mode would have, later (it
 so); the verdicts pending then are dropped with it (they are most often its consequences).
 Meanwhile the step went on with the statistics as gathered, but a failed exchange changed no
 running statistics (the ``merge_gathered_stats`` operator updates them only where the rows pass
-the checks, on the device: :func:`functions.synchronization.distributed.all_gather_stats`).
+the checks, on the device: :class:`functions.synchronization.synchronizer.Synchronizer`).
 A rank that raised at once (its own bad input) joined that exchange with a failed flag and then
 stops: the others raise when they read that verdict, or wait at their next collective until the
 process group's timeout (``init_process_group(timeout=...)``), never a silent hang.
@@ -75,7 +75,7 @@ def reads_at_once(device: torch.device) -> bool:
 
 
 class Ready(Protocol):
-    """What a deferred verdict waits for: a ``torch.cuda.Event``, or the native path's event."""
+    """What a deferred verdict waits for: a ``torch.cuda.Event``, or the native call's event."""
 
     def query(self) -> bool: ...
 
@@ -156,7 +156,7 @@ def _defer(verdict: Tensor, explain: Explain, valid: Tensor | None = None) -> No
 def defer_read(host: Tensor, ready: Ready | None, explain: Explain, valid: Tensor | None = None) -> None:
     """Keep a verdict already on its way to host memory (``host``, and ``valid``, the device's
     judgement of it, where given), to read once ``ready`` has passed (None: readable now). The
-    native path (src/sync_batch_norm.cpp) makes the copies and the event itself and calls this."""
+    native call (src/sync_batch_norm.cpp) makes the copies and the event itself and calls this."""
     in_backward = torch_internals.in_backward_pass()
     with _lock:
         _pending.append(_Deferred(host, ready, explain, in_backward, valid))

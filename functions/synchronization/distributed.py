@@ -34,7 +34,6 @@ from torch import Tensor
 
 from . import checks
 from ..operators.ops import OVERLOADS
-from ..stats import LocalStats, Running
 
 SHAPE_DIMS = 8  # input dims carried for error messages; further dims are dropped
 LAYER, NUMBER, DTYPE, FAILED, NDIM, SHAPE = range(6)  # the header's columns: the first three agree
@@ -117,16 +116,11 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 
 def stats_header(key: int, number: int, dtype: torch.dtype, failed: bool, shape: Sequence, count: Any) -> list:
-    """The header of a rank's forward row, as both paths send it: its columns (``LAYER`` ...
+    """The header of a rank's forward row, as the native call and the traced path send it: its columns (``LAYER`` ...
     ``SHAPE``) and the count last. ``shape`` and ``count`` may be symbolic under torch.compile."""
     dims = list(shape)[:SHAPE_DIMS]
     return [key, number % LAYER_ID_RANGE, dtype_code(dtype), float(failed), len(shape), *dims,
             *([0] * (SHAPE_DIMS - len(dims))), count]
-
-
-def _stats_row(local: LocalStats, call: ProcessGroupCall, failed: bool) -> Tensor:
-    header = stats_header(call.layer_id, call.number, local.input_dtype, failed, local.input_shape, local.count)
-    return OVERLOADS.pack_row(header, local.mean, local.m2)  # the header from pinned memory: no drain
 
 
 def _all_gather_rows(row: Tensor, group: Any) -> Tensor:
@@ -144,12 +138,12 @@ def _all_gather_rows(row: Tensor, group: Any) -> Tensor:
 
 
 def all_gather_rows(row: Tensor, call: ProcessGroupCall) -> Tensor:
-    """(world, len(row)): every rank's ``row`` of this call (the forward's all_gather, on both paths)."""
+    """(world, len(row)): every rank's ``row`` of this call (the forward's all_gather)."""
     return _all_gather_rows(row, call.group)
 
 
 def all_reduce_row(row: Tensor, call: ProcessGroupCall) -> None:
-    """``row`` summed over the ranks of this call, in place (the backward's all_reduce, on both paths)."""
+    """``row`` summed over the ranks of this call, in place (the backward's all_reduce)."""
     dist.all_reduce(row, group=call.group)
 
 
@@ -185,27 +179,6 @@ def _explain_forward(call: ProcessGroupCall, heads: list[list[float]]) -> BaseEx
     return None
 
 
-def all_gather_stats(local: LocalStats, call: ProcessGroupCall, running: Running) -> tuple[int | Tensor, Tensor, Tensor]:
-    """The global count, mean and biased variance over every rank, from one all_gather of each
-    rank's (count, mean, M2), merged in rank order on every rank (identical results), and the
-    layer's ``running`` statistics updated with them (where the checks pass).
-
-    ``local.mean`` and ``local.m2`` are ``(C,)`` float64 on the collective's device (the current
-    CUDA device for NCCL, the CPU for Gloo); so are the mean and variance returned. The count is
-    an int where the checks are read at once (:mod:`functions.synchronization.checks`), else a 0-dim float64
-    tensor on that device, never read on the host. The checks raise alike on every rank when the
-    ranks are at different calls, disagree on the dtype, one reported a failure, they hold one
-    value per channel between them, or their counts are malformed: at once, or deferred; either
-    way the failed exchange updated nothing (``merge_gathered_stats`` judges the rows on the
-    device; read at once, only its verdict is read where the rows pass).
-    """
-    rows = all_gather_rows(_stats_row(local, call, failed=False), call)
-    # rows that fail the checks update nothing; read at once, the headers are read only then
-    total, mean, var, valid = OVERLOADS.merge_gathered_stats(rows, HEADER_SIZE, DTYPE + 1, FAILED, *running)
-    read = judge_gathered(call, valid, rows)
-    return (int(total) if read else total), mean, var
-
-
 def judge_gathered(call: ProcessGroupCall, valid: Tensor, rows: Tensor) -> bool:
     """Check the gathered ``rows`` that ``merge_gathered_stats`` judged ``valid``: at once or
     deferred (:func:`functions.synchronization.checks.verify_judged`, whose result this returns)."""
@@ -213,7 +186,7 @@ def judge_gathered(call: ProcessGroupCall, valid: Tensor, rows: Tensor) -> bool:
 
 
 def defer_gathered(call: ProcessGroupCall, valid: Tensor, headers: Tensor, ready: checks.Ready | None) -> None:
-    """The native path's forward checks, deferred: ``valid`` (``merge_gathered_stats``'s verdict)
+    """The forward checks, deferred: ``valid`` (``merge_gathered_stats``'s verdict)
     and the gathered rows' ``headers``, copied to host memory behind ``ready`` by the caller, read
     later as :func:`judge_gathered` would have read them."""
     checks.defer_read(headers, ready, lambda values: _explain_forward(call, values), valid)
@@ -223,8 +196,8 @@ def report_failure(call: ProcessGroupCall, channels: int, device: torch.device) 
     """Join the forward's all_gather with a failed flag (after a local error such as bad
     input), so that the other ranks raise at once instead of waiting for the timeout."""
     zeros = torch.zeros(channels, dtype=torch.float64, device=device)
-    failed = LocalStats(0, zeros, zeros, torch.float64, torch.Size())
-    all_gather_rows(_stats_row(failed, call, failed=True), call)
+    header = stats_header(call.layer_id, call.number, torch.float64, True, torch.Size(), 0)
+    all_gather_rows(OVERLOADS.pack_row(header, zeros, zeros), call)
 
 
 def _explain_backward(call: ProcessGroupCall, world: int, identity_sums: list[float]) -> BaseException | None:
@@ -255,17 +228,6 @@ def report_backward_failure(call: ProcessGroupCall, channels: int, device: torch
     all_reduce_row(OVERLOADS.pack_row([failed, failed**2, failed, failed**2], zeros, zeros), call)
 
 
-def all_reduce_sums(sum_dy: Tensor, sum_dy_xmu: Tensor, call: ProcessGroupCall) -> tuple[Tensor, Tensor]:
-    """``sum_dy`` and ``sum_dy_xmu`` (``(C,)`` each) summed over the ranks, from one all_reduce of
-    one float64 row; returned in their dtype. The checks raise alike on every rank when the ranks
-    are at the backward of different calls."""
-    layer_id, number = float(call.layer_id), float(call.number % LAYER_ID_RANGE)
-    row = OVERLOADS.pack_row([layer_id, layer_id**2, number, number**2], sum_dy, sum_dy_xmu)
-    all_reduce_row(row, call)
-    judge_summed(call, row)
-    return OVERLOADS.unpack_row(row, IDENTITY_SIZE, sum_dy.dtype)
-
-
 def judge_summed(call: ProcessGroupCall, row: Tensor) -> None:
     """Check the summed identities that lead the backward's ``row``: at once or deferred
     (:func:`functions.synchronization.checks.verify`)."""
@@ -273,7 +235,7 @@ def judge_summed(call: ProcessGroupCall, row: Tensor) -> None:
 
 
 def defer_summed(call: ProcessGroupCall, identities: Tensor, ready: checks.Ready | None) -> None:
-    """The native path's backward checks, deferred: the summed ``identities`` that lead its row,
+    """The backward checks, deferred: the summed ``identities`` that lead its row,
     copied to host memory behind ``ready`` by the caller, read later as :func:`judge_summed`
     would have read them."""
     checks.defer_read(identities, ready, lambda values: _explain_summed(call, values))
@@ -284,7 +246,7 @@ def _explain_summed(call: ProcessGroupCall, identity_sums: list[float]) -> BaseE
 
 
 def native_ranks(call: ProcessGroupCall, dtype: torch.dtype, device: torch.device) -> tuple:
-    """What the native path (src/sync_batch_norm.cpp, ``Ranks``) needs of a call to build its
+    """What the native call (src/sync_batch_norm.cpp, ``Ranks``) needs of a call to build its
     rows and judge them itself: (layer id, call number, dtype code, world size, whether the checks
     are read at once on ``device``). The row layout is this module's (``row_layout()``)."""
     number = call.number % LAYER_ID_RANGE
@@ -293,7 +255,7 @@ def native_ranks(call: ProcessGroupCall, dtype: torch.dtype, device: torch.devic
 
 
 def row_layout() -> tuple[int, int, int, int, int]:
-    """The rows' layout as the native path takes it, once: (header size, agreeing columns, the
+    """The rows' layout as the native call takes it, once: (header size, agreeing columns, the
     failed flag's column, shape dims, identity size)."""
     return HEADER_SIZE, DTYPE + 1, FAILED, SHAPE_DIMS, IDENTITY_SIZE
 
