@@ -2,8 +2,8 @@
 (``benchmarks/results/<name>.json``, see ``benchmarks/results.py``), one PNG each, into ``docs/img/``
 (shown by ``docs/performance.md``):
 
-- ``sync_overhead.png``: what synchronizing adds per layer under ThreadedDataParallel, the native
-  meeting against the autograd Function's Python exchange, with each cost's noise (result
+- ``sync_overhead.png``: what synchronizing adds per layer under ThreadedDataParallel, with each
+  cost's noise (result
   ``sync_overhead``, rows of kind "threads");
 - ``memory.png``: a training step's peak memory over resting, in-place activated batch norm
   against torch's batch norm + LeakyReLU, and the largest batch within the budget (``memory``);

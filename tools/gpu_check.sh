@@ -6,8 +6,7 @@
 #              build.tar.gz made from this very src/ and setup.py (its build.hash matches)
 #   races      the default CUDA route (what users get): replicas handing results across
 #              streams, stock DataParallel's threading on one GPU (a replica failing in forward
-#              and in backward), the side-stream and host-sync tests, the Python path's merge on the
-#              master's stream: tests/test_cuda.py
+#              and in backward), the side-stream and host-sync tests: tests/test_cuda.py
 #   graphs     a lone training step captured in a CUDA graph and replayed; a synchronized one refused,
 #              its forward and its backward alone
 #   ranks      NCCL with one rank (made to sync), Gloo with CUDA tensors in two processes on the
