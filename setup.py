@@ -107,8 +107,8 @@ def cpu_extension(capability: str) -> cpp_extension.CppExtension:
     flags = ["-O3", "-g0", *CPU_CAPABILITY_FLAGS[capability], *macros, *openmp_flags(), *quiet_flags()]
     return cpp_extension.CppExtension(
         name=f"syncbn.functions._C_{capability.lower()}",
-        sources=sources("src/bindings.cpp", "src/train_forward.cpp", "src/sync_batch_norm.cpp",
-                        "src/torch_cuda_ops.cpp", "src/cpu/*.cpp"),
+        sources=sources("src/bindings.cpp", "src/train_forward.cpp", "src/meeting.cpp", "src/sync_batch_norm.cpp",
+                        "src/sync_batch_norm_python.cpp", "src/torch_cuda_ops.cpp", "src/cpu/*.cpp"),
         include_dirs=[os.path.join(ROOT, "src"), write_build_identity()],
         extra_compile_args={"cxx": flags},
         extra_link_args=[*openmp_flags(), *cxx_runtime_link_args()],
