@@ -11,7 +11,8 @@ are per training step:
 
 - threads: ``ThreadedDataParallel(["cpu"] * R)`` over our ``SyncBatchNorm2d`` against
   ``nn.BatchNorm2d`` (unsynced) in the same wrapper, R = 2, 4, 8; our replicas meet natively
-  (one call per layer and direction);
+  (one call per layer and direction); and our ``InPlaceABN`` against ``nn.BatchNorm2d`` with an
+  in-place LeakyReLU, each layer on a copy of its input (a multiplication by 1);
 - processes: R Gloo ranks on loopback under DDP, ours against ``nn.BatchNorm2d`` and against
   torch's layer making our two collectives where ours makes them (the meeting in place, with the
   ranks' skew between collectives); every rank runs the same fixed number of steps, the slowest
@@ -77,8 +78,30 @@ SHAPE = (8, 8, 4, 4)
 DEEP = 16
 
 
-def stack(layer: type, depth: int) -> nn.Module:
+def stack(layer: Callable[[int], nn.Module], depth: int) -> nn.Module:
     return nn.Sequential(*[layer(SHAPE[1]) for _ in range(depth)])
+
+
+class OnACopy(nn.Module):
+    """An in-place activated layer on a copy of its input (in place on its predecessor's output,
+    it would write over what that one saved), or torch's batch norm and LeakyReLU the same way."""
+
+    def __init__(self, channels: int, ours: bool) -> None:
+        super().__init__()
+        self.ours = ours
+        self.layer = NN.InPlaceABN(channels) if ours else nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.layer(x * 1.0)
+        return y if self.ours else nn.functional.leaky_relu(y, 0.01, inplace=True)
+
+
+THREADS_ROWS = {
+    "": (NN.SyncBatchNorm2d, nn.BatchNorm2d),
+    ", InPlaceABN against BatchNorm2d + LeakyReLU, each on a copy": (
+        functools.partial(OnACopy, ours=True), functools.partial(OnACopy, ours=False)),
+}
+"""The layers of the thread rows, ours and torch's, by what the row's label adds."""
 
 
 def step_of(runner: nn.Module, rows: int) -> benchmark.Timer:
@@ -122,12 +145,12 @@ def cost(plus: list[list[float]], minus: list[list[float]]) -> Cost:
     return sum(map(median, plus)) - sum(map(median, minus)), spread(per_repeat)
 
 
-def threads_row(replicas: int, min_run_time: float, rounds: int) -> tuple[list[float], list[float]]:
-    """Per-layer seconds, round by round, of ours and of torch's unsynced layer under R thread
-    replicas."""
+def threads_row(replicas: int, min_run_time: float, rounds: int, layers: tuple = THREADS_ROWS[""]) -> tuple[list[float], list[float]]:
+    """Per-layer seconds, round by round, of ours and of torch's unsynced layer (``layers``)
+    under R thread replicas."""
     timers = {
         (kind, depth): step_of(ThreadedDataParallel(stack(layer, depth), ["cpu"] * replicas), SHAPE[0])
-        for kind, layer in (("ours", NN.SyncBatchNorm2d), ("torch", nn.BatchNorm2d))
+        for kind, layer in zip(("ours", "torch"), layers)
         for depth in (1, DEEP)
     }
     t = interleaved(timers, min_run_time, rounds)
@@ -412,10 +435,12 @@ def measure(args: argparse.Namespace, default_threads: int) -> list[dict]:
     rounds = args.rounds
     resnet = [r for threads in sorted({1, default_threads}) for r in resnet_rows(4, args.steps, rounds, threads, args.min_run_time)]
     rows = []
-    for replicas in replica_counts:
-        (ours, theirs), stolen = least_stolen(lambda: threads_row(replicas, args.min_run_time, rounds))
-        rows.append(row(f"ThreadedDataParallel, {replicas} CPU replicas", ours, theirs, stolen,
-                        dict(adds=cost([ours], [theirs])), kind="threads", replicas=replicas))
+    for label, layers in THREADS_ROWS.items():
+        for replicas in replica_counts:
+            (ours, theirs), stolen = least_stolen(lambda: threads_row(replicas, args.min_run_time, rounds, layers))
+            rows.append(row(f"ThreadedDataParallel, {replicas} CPU replicas{label}", ours, theirs, stolen,
+                            dict(adds=cost([ours], [theirs])), kind="threads" if not label else "threads-inplace",
+                            replicas=replicas))
     for world in (2,) if args.quick else (2, 4):
         rows += process_rows(world, 20 if args.quick else 40, 2 * rounds - 1)
     free, stolen = least_stolen(lambda: free_collectives_row(args.min_run_time, rounds))
@@ -439,6 +464,7 @@ def summary(rows: list[dict]) -> str:
 
     counts = sorted({r["replicas"] for r in rows if r["kind"] == "threads"})
     threads = " / ".join(text(find(kind="threads", replicas=n), "adds") for n in counts)
+    inplace = " / ".join(text(find(kind="threads-inplace", replicas=n), "adds") for n in counts)
     ddp, free, resnet = find(kind="ranks", checks="layer"), find(kind="free", checks="layer"), find(kind="resnet", threads=1)
     if resnet["adds_us"] > resnet["adds_noise_us"]:
         step = (f"takes {resnet['ratio']:.3f}x the unsynced step, {text(resnet, 'adds')} more, of which the meetings "
@@ -447,7 +473,7 @@ def summary(rows: list[dict]) -> str:
         step = f"takes the unsynced step's time, the difference {text(resnet, 'adds')}"
     return (
         f"Per layer under ThreadedDataParallel with {' / '.join(map(str, counts))} replicas, synchronizing adds "
-        f"{threads}. Across {ddp['world']} Gloo processes a layer "
+        f"{threads} (InPlaceABN: {inplace}). Across {ddp['world']} Gloo processes a layer "
         f"adds {text(ddp, 'adds')}, of which the two collectives where ours makes them take {text(ddp, 'meeting')}, our "
         f"own part beyond them {text(ddp, 'own')} ({text(free, 'own')} where the collectives cost nothing), and a lone "
         f"replica's fixed cost is {text(find(kind='lone'), 'own')}. A small ResNet's training step under 4 thread "

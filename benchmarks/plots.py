@@ -4,7 +4,7 @@
 
 - ``sync_overhead.png``: what synchronizing adds per layer under ThreadedDataParallel, with each
   cost's noise (result
-  ``sync_overhead``, rows of kind "threads");
+  ``sync_overhead``, rows of kind "threads" and "threads-inplace");
 - ``memory.png``: a training step's peak memory over resting, in-place activated batch norm
   against torch's batch norm + LeakyReLU, and the largest batch within the budget (``memory``);
 - ``compile_ranks.png``: a step under DDP over 2 Gloo ranks, eager against compiled
@@ -70,12 +70,13 @@ def cost_label(value: float, noise: float) -> str:
 
 def plot_sync_overhead(plt: Any, result: Result, out: Path) -> Path:
     # rows of another route, where a result holds them, are left out
-    rows = [r for r in result["rows"] if r.get("kind") == "threads" and r.get("route", "native") == "native"]
+    kinds = {"threads": "our SyncBatchNorm2d", "threads-inplace": "our InPlaceABN (against BatchNorm2d + LeakyReLU)"}
+    rows = [r for r in result["rows"] if r.get("kind") in kinds and r.get("route", "native") == "native"]
     replicas = sorted({r["replicas"] for r in rows})
-    pick = {r["replicas"]: r for r in rows}
-    label = "our SyncBatchNorm2d"
-    adds = {label: [pick[n]["adds_us"] for n in replicas]}
-    noise = {label: [pick[n]["adds_noise_us"] for n in replicas]}
+    pick = {(r["kind"], r["replicas"]): r for r in rows}
+    drawn = {kind: label for kind, label in kinds.items() if all((kind, n) in pick for n in replicas)}
+    adds = {label: [pick[kind, n]["adds_us"] for n in replicas] for kind, label in drawn.items()}
+    noise = {label: [pick[kind, n]["adds_noise_us"] for n in replicas] for kind, label in drawn.items()}
     # a cost below zero is drawn as none: the bar stops at zero, its label says so
     series = {label: [max(value, 0.0) for value in values] for label, values in adds.items()}
     fig, ax = plt.subplots(figsize=(7, 4))
