@@ -5,7 +5,7 @@ updates no running statistics.
 A synchronized call in a checkpointed region's first run keeps its (mean, invstd, count) under its
 place in the region (:func:`remember`); the recomputed call at the same place takes them back
 (:func:`recall`) and its forward normalizes with them alone
-(:attr:`~functions.synchronization.synchronizer.Synchronizer.given`), saving what the first run
+(:attr:`~syncbn.functions.synchronization.synchronizer.Synchronizer.given`), saving what the first run
 saved, so that its backward, where it runs, meets as the first run's would have. The place is the
 region and the call's number among the synchronized calls of that run of it (a recomputation runs
 the region's Python again, in the same order, up to checkpoint's early stop), whatever each call
@@ -119,7 +119,7 @@ def recall(where: Place | None, call: Signature) -> Statistics | None:
 
 
 def attach(sync: Any, where: Place | None, call: Signature) -> None:
-    """Hand a call's :class:`~functions.synchronization.synchronizer.Synchronizer` what its place
+    """Hand a call's :class:`~syncbn.functions.synchronization.synchronizer.Synchronizer` what its place
     says: the first run's statistics where this is the recomputation (``given``), and its region
     where that is non-reentrant (whose recomputation a failure in backward may come from)."""
     sync.given = recall(where, call)

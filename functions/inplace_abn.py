@@ -14,7 +14,7 @@ in one exchange with batch statistics; then (``abn_backward_elemt``)
 grad_weight = sign(weight) * local sum_xhat_dz (+1 where weight is 0), grad_bias = local sum_dz.
 
 The autograd Function here is the math on one device; a synchronized call runs the same math
-natively (:meth:`functions.synchronization.synchronizer.Synchronizer.inplace_abn`,
+natively (:meth:`syncbn.functions.synchronization.synchronizer.Synchronizer.inplace_abn`,
 ``src/sync_batch_norm.cpp``).
 """
 from __future__ import annotations
@@ -143,9 +143,9 @@ def inplace_abn(
     per channel (over every replica and rank with a ``sync``), and the running statistics, when
     given, are updated once with the unbiased variance (``momentum`` None: the cumulative
     average over ``num_batches_tracked``, which counts the calls); without, they are the
-    running statistics. ``sync`` (a :class:`~functions.synchronization.synchronizer.Synchronizer`,
+    running statistics. ``sync`` (a :class:`~syncbn.functions.synchronization.synchronizer.Synchronizer`,
     which a layer builds for each call) takes the batch statistics over every replica and rank
-    (:meth:`~functions.synchronization.synchronizer.Synchronizer.inplace_abn`). ``activation``: ``"leaky_relu"`` (slope ``activation_param`` > 0),
+    (:meth:`~syncbn.functions.synchronization.synchronizer.Synchronizer.inplace_abn`). ``activation``: ``"leaky_relu"`` (slope ``activation_param`` > 0),
     ``"elu"`` (alpha ``activation_param`` > 0) or ``"identity"``.
     """
     if activation not in ABN_ACTIVATIONS:

@@ -1,11 +1,11 @@
 r"""Population statistics of a batch norm's input: per channel, the count, mean and M2 of every
 value it saw over many batches, merged over the ranks of a process group (what
-:func:`modules.population.update_bn` collects).
+:func:`syncbn.modules.population.update_bn` collects).
 
 The math, for one channel: batch ``b`` gives its count ``n_b``, mean ``m_b`` and
 ``M2_b = sum (x - m_b)^2`` (the ``local_stats`` operator, float64 whatever the input dtype), and
 Chan's parallel formula merges parts without ever forming E[x^2] - E[x]^2 (the ``merge_stats``
-operator, through :func:`functions.stats.merge_rows`):
+operator, through :func:`syncbn.functions.stats.merge_rows`):
 
 .. math::
     n = \sum_b n_b, \quad m = \frac{1}{n} \sum_b n_b m_b, \quad

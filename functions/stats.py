@@ -61,5 +61,5 @@ Running = tuple[Tensor | None, Tensor | None, Tensor | None, float | None]
 
 def update_running_stats(running: Running, mean: Tensor, var: Tensor, count: int) -> None:
     """The running statistics' update, once per step on the master (the operator; across ranks
-    it is part of ``merge_gathered_stats``: :class:`functions.synchronization.synchronizer.Synchronizer`)."""
+    it is part of ``merge_gathered_stats``: :class:`syncbn.functions.synchronization.synchronizer.Synchronizer`)."""
     OVERLOADS.update_running_stats(*running, mean, var, count)

@@ -17,7 +17,7 @@ over the replicas in one exchange; then
 
 This module is the math for one device, over the ``torch.ops.syncbn`` operators (the autograd
 Function, as torch's and inplace_abn's are); a synchronized call runs the same math natively
-(:meth:`functions.synchronization.synchronizer.Synchronizer.batch_norm`, ``src/sync_batch_norm.cpp``).
+(:meth:`syncbn.functions.synchronization.synchronizer.Synchronizer.batch_norm`, ``src/sync_batch_norm.cpp``).
 """
 from __future__ import annotations
 
@@ -168,9 +168,9 @@ def sync_batch_norm(
     ``num_batches_tracked`` are updated in place, once, by the master replica (index 0):
     ``running = (1 - momentum) * running + momentum * batch`` with the unbiased variance, or
     the cumulative average when ``momentum`` is None. ``sync`` (a
-    :class:`~functions.synchronization.synchronizer.Synchronizer`, which a layer builds for each call) takes
+    :class:`~syncbn.functions.synchronization.synchronizer.Synchronizer`, which a layer builds for each call) takes
     the statistics over every replica of the process and every rank of its group
-    (:meth:`~functions.synchronization.synchronizer.Synchronizer.batch_norm`); without it this is an
+    (:meth:`~syncbn.functions.synchronization.synchronizer.Synchronizer.batch_norm`); without it this is an
     ordinary training-mode batch norm through the same kernels. ``residual`` (z, None: 0) is shaped and
     typed as ``input``; ``act`` is the identity when ``negative_slope`` is None, else
     ``p if p > 0 else p * negative_slope`` (ReLU: 0.0). Returns ``y``, shaped and laid out as

@@ -262,7 +262,7 @@ def nonreentrant_checkpoint_region() -> tuple[object, Any] | None:
 def checkpoint_first_run_ended(frame: object) -> bool:
     """Whether the first run of the non-reentrant region ``frame`` (a ``_CheckpointFrame``) has
     ended (its ``forward_completed``); False where the frame has no such flag, so that a torch
-    that renamed it makes callers assume the least (see :mod:`functions.checkpointing`)."""
+    that renamed it makes callers assume the least (see :mod:`syncbn.functions.checkpointing`)."""
     return bool(getattr(frame, "forward_completed", False))
 
 

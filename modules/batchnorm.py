@@ -1,5 +1,5 @@
 """The synchronized batch norm layers, drop-in for ``nn.BatchNorm1d/2d/3d``. Users import them
-from :mod:`modules.nn` (with the converters and the fusion pass); this file imports neither.
+from :mod:`syncbn.modules.nn` (with the converters and the fusion pass); this file imports neither.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class SyncBatchNorm(_BatchNorm):
 
     Mean and (biased) variance are taken per channel over the batch and spatial dims of every
     replica's input together when the layer runs as ``nn.DataParallel`` or
-    :class:`~modules.parallel.ThreadedDataParallel` replicas, and of every rank's input when
+    :class:`~syncbn.modules.parallel.ThreadedDataParallel` replicas, and of every rank's input when
     ``process_group`` is given or the default ``torch.distributed`` group has more than one
     rank (DDP; both levels at once too); on one device in one process it is exactly
     ``nn.BatchNorm*`` (through ``F.batch_norm``). Running statistics are updated once per step
@@ -77,7 +77,7 @@ class SyncBatchNorm(_BatchNorm):
             is covered by the group's own timeout (``init_process_group(timeout=...)``,
             ``new_group(timeout=...)``). Default: None
         timeout: seconds a replica waits for the other replicas in its process before raising
-            :class:`~functions.ReplicaSyncError`. Default: ``$SYNCBN_TIMEOUT``, else 60.
+            :class:`~syncbn.functions.ReplicaSyncError`. Default: ``$SYNCBN_TIMEOUT``, else 60.
         bias: learn a bias (with ``affine``). Default: True
         frozen: normalize with the running statistics, never update or sync them (needs
             ``track_running_stats``). Not part of the state_dict. Default: False
@@ -258,7 +258,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def _forward_lone(self, input: Tensor, z: Tensor | None) -> Tensor:
         """Batch statistics of this input alone: torch's own batch norm where ours is not clearly
-        faster (:mod:`functions.operators.lone_replica`), else our Function."""
+        faster (:mod:`syncbn.functions.operators.lone_replica`), else our Function."""
         self._check_input(input, z)
         if not self._lone_call_checked and not torch.compiler.is_compiling():
             self._lone_call_checked = True
@@ -314,9 +314,9 @@ class SyncBatchNorm(_BatchNorm):
     @disable_when_compiling
     def _forward_synced(self, input: Tensor, z: Tensor | None, handle: ReplicaHandle | None, group: Any) -> Tensor:
         """Replicas (``handle``) and/or ranks (``group``) exchange statistics, eagerly:
-        torch.compile breaks the graph here (:func:`~modules.compiler.disable_when_compiling`).
+        torch.compile breaks the graph here (:func:`~syncbn.modules.compiler.disable_when_compiling`).
         A checkpoint's recomputation takes the first run's statistics instead, where it kept them
-        (:mod:`functions.checkpointing`)."""
+        (:mod:`syncbn.functions.checkpointing`)."""
         where = checkpointing.place()
         # the device that a failure report to the ranks is made on (none made without ranks)
         weight = self.weight if group is not None else None
@@ -340,7 +340,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def _forward_traced(self, input: Tensor, z: Tensor | None, group: Any) -> Tensor:
         """Ranks alone (no replicas in the process) in traced code: the exchange as functional
-        collectives (:mod:`functions.synchronization.traced_ranks`), no graph break."""
+        collectives (:mod:`syncbn.functions.synchronization.traced_ranks`), no graph break."""
         self._check_input(input, z)
         return self._batch_stats(traced_sync_batch_norm, input, z, group=group)
 
@@ -350,7 +350,7 @@ class SyncBatchNorm(_BatchNorm):
         return sync.batch_norm(input, self.weight, self.bias, (*running, self.momentum), self.eps, z, self._negative_slope())
 
     def _batch_stats(self, function: Any, input: Tensor, z: Tensor | None, **meeting: Any) -> Tensor:
-        """``function`` (:func:`~functions.sync_batch_norm`, or the traced one with ``meeting``'s
+        """``function`` (:func:`~syncbn.functions.sync_batch_norm`, or the traced one with ``meeting``'s
         ``group``) on this layer's state."""
         running_mean, running_var, num_batches_tracked = self._running_state()
         return function(

@@ -170,7 +170,7 @@ def _report_left_behind(module: nn.Module, strict: bool, function: str, outcome:
 def convert_sync_batchnorm(module: nn.Module, process_group: Any | None = None, *, strict: bool = False) -> nn.Module:
     """Turn every ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` in ``module`` into ours, and
     timm's ``BatchNormAct2d``, ``SyncBatchNormAct`` and ``FrozenBatchNormAct2d`` into
-    :class:`modules.timm_layers.SyncBatchNormAct2d` (same ``drop``, ``act`` and state_dict keys).
+    :class:`syncbn.modules.timm_layers.SyncBatchNormAct2d` (same ``drop``, ``act`` and state_dict keys).
 
     The new layers hold the very same weight and bias Parameters (so optimizers keep working),
     buffers, requires_grad, training flag, device and dtype (and an ``nn.SyncBatchNorm``'s

@@ -274,7 +274,7 @@ def _inplace_pair(done: InPlaceConversion) -> PairLayer:
 
 def convert_inplace_abn(model: nn.Module) -> InPlaceConversion:
     """Turn every batch norm -> ``nn.LeakyReLU``/``nn.ELU`` pair of ``model`` that can be one
-    into an :class:`~modules.nn.InPlaceABN` with that activation, exactly: the new layer holds
+    into an :class:`~syncbn.modules.nn.InPlaceABN` with that activation, exactly: the new layer holds
     the same Parameters and buffers, its weight shifted by -eps in place, so that its scale
     |weight| + eps is the old weight (to the weight's rounding).
 

@@ -2,8 +2,8 @@
 (batch norm then activation), :class:`InPlaceABN` (the same, written over its input, half the
 activation memory) and :class:`InPlaceABNSync` (its name for the synchronized one). All three
 are synchronized wherever our layers are (replicas of ``nn.DataParallel`` and
-:class:`~modules.parallel.ThreadedDataParallel`, the ranks of a process group, both), whatever
-their class name says. Users import them from :mod:`modules.nn`.
+:class:`~syncbn.modules.parallel.ThreadedDataParallel`, the ranks of a process group, both), whatever
+their class name says. Users import them from :mod:`syncbn.modules.nn`.
 """
 from __future__ import annotations
 
@@ -36,14 +36,14 @@ class ABN(SyncBatchNorm):
         y = \mathrm{act}\left(\frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot \gamma + \beta\right)
 
     Statistics, running statistics, eval, frozen mode and synchronization are those of
-    :class:`~modules.nn.SyncBatchNorm` (``relu`` and ``leaky_relu`` fused into its elementwise
+    :class:`~syncbn.modules.nn.SyncBatchNorm` (``relu`` and ``leaky_relu`` fused into its elementwise
     passes; ``elu`` applied after). Not in place: autograd keeps the input as torch's layers do.
 
     Args (``inplace_abn``'s, in its order, then ours by keyword):
         num_features, eps, momentum, affine, track_running_stats: as ``nn.BatchNorm2d``.
         activation: ``"relu"``, ``"leaky_relu"``, ``"elu"`` or ``"identity"``. Default: ``"leaky_relu"``
         activation_param: leaky_relu's slope below 0, or elu's alpha. Default: 0.01
-        process_group, timeout, device, dtype, frozen: as :class:`~modules.nn.SyncBatchNorm`.
+        process_group, timeout, device, dtype, frozen: as :class:`~syncbn.modules.nn.SyncBatchNorm`.
 
     Shape: ``(N, C, *)``; output the same.
     """
@@ -115,8 +115,8 @@ class InPlaceABN(ABN):
     that the backward can invert the affine step and the activation (``leaky_relu`` with a
     positive slope, ``elu`` with a positive alpha, or ``identity``; ``relu`` is not invertible)
     and recover the normalized input from the output. Statistics, running statistics, eval,
-    frozen mode and synchronization are those of :class:`~modules.nn.SyncBatchNorm`; the math is
-    in :mod:`functions.inplace_abn`.
+    frozen mode and synchronization are those of :class:`~syncbn.modules.nn.SyncBatchNorm`; the math is
+    in :mod:`syncbn.functions.inplace_abn`.
 
     The input must be writable: not a leaf that requires grad (torch refuses in-place ops on
     those), not an expanded tensor; a later use of the input's old values is caught by autograd
@@ -164,7 +164,7 @@ class InPlaceABN(ABN):
         return super()._traces(input) and input.is_contiguous(memory_format=memory_format_of(input))
 
     def _forward_traced(self, input: Tensor, z: Tensor | None, group: Any) -> Tensor:
-        """Ranks alone in traced code: the exchange as functional collectives (:mod:`functions.synchronization.traced_ranks`)."""
+        """Ranks alone in traced code: the exchange as functional collectives (:mod:`syncbn.functions.synchronization.traced_ranks`)."""
         running_mean, running_var, num_batches_tracked = self._running_state()
         return traced_inplace_abn(
             input, self.weight, self.bias, running_mean, running_var, self.momentum, self.eps, self.activation,

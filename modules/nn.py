@@ -3,9 +3,9 @@ functions that convert, freeze and fuse a model's batch norms and recompute thei
 
 ``from syncbn import nn as NN``; ``NN.BatchNorm2d(64)`` is ``NN.SyncBatchNorm2d(64)``.
 
-A facade: the layers are in :mod:`modules.batchnorm`, the activated ones (``inplace_abn``'s) in :mod:`modules.inplace_abn`, the converters in
-:mod:`modules.conversion`, the fusion pass in :mod:`modules.fusion`, the statistics' recomputation
-in :mod:`modules.population`, timm's batch norm + activation layers in :mod:`modules.timm_layers`; none of them imports this
+A facade: the layers are in :mod:`syncbn.modules.batchnorm`, the activated ones (``inplace_abn``'s) in :mod:`syncbn.modules.inplace_abn`, the converters in
+:mod:`syncbn.modules.conversion`, the fusion pass in :mod:`syncbn.modules.fusion`, the statistics' recomputation
+in :mod:`syncbn.modules.population`, timm's batch norm + activation layers in :mod:`syncbn.modules.timm_layers`; none of them imports this
 module.
 """
 from . import batchnorm

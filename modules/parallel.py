@@ -152,7 +152,7 @@ class ThreadedDataParallel(nn.Module):
     ended well, the others get ten times ``timeout`` (default ``$SYNCBN_TIMEOUT``, else 60 s);
     once one has failed, three times the longest of the wrapper's and the layers' timeouts (a
     layer's own wait, which names the layer, gives up first); then a
-    :class:`~functions.ReplicaSyncError` names them, with their stacks.
+    :class:`~syncbn.functions.ReplicaSyncError` names them, with their stacks.
 
     Chunks that stay on their device are views of the caller's tensors, not copies (as
     nn.DataParallel's chunk on its own device): a replica's in-place op on its input writes to

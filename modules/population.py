@@ -3,7 +3,7 @@ batches and every rank's, as ``torch.optim.swa_utils.update_bn`` recomputes them
 before evaluation or export), but with the population's mean and variance.
 
 The pass, the layers' local state and the hooks live here; the math and the one collective
-in :mod:`functions.population_stats`.
+in :mod:`syncbn.functions.population_stats`.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def update_bn(
       batch's statistics as it does in eval mode without running statistics (ours, torch's
       ``nn.BatchNorm*`` and ``nn.SyncBatchNorm`` alike), its buffers set aside, so the pass
       writes none of them and needs no collective per batch.
-    - ``nn.DataParallel``, :class:`~modules.parallel.ThreadedDataParallel` and
+    - ``nn.DataParallel``, :class:`~syncbn.modules.parallel.ThreadedDataParallel` and
       ``DistributedDataParallel`` are unwrapped: the bare module runs each whole batch on the
       wrapper's first device (where the wrapper would send inputs), since under a wrapper each
       replica would normalize its slice with the slice's statistics and later layers' inputs
@@ -66,7 +66,7 @@ def update_bn(
     - Afterwards ``num_batches_tracked`` is the number of inputs the layer saw on every rank
       (torch's ``update_bn`` leaves the count of one process's calls). A layer that saw no
       value on any rank keeps its statistics (torch's resets them to 0 and 1); a frozen layer
-      (:meth:`~modules.nn.SyncBatchNorm.freeze`) and one without running statistics are left
+      (:meth:`~syncbn.modules.nn.SyncBatchNorm.freeze`) and one without running statistics are left
       as they are. Momentum is not changed. Each module's training flag is restored, and the
       buffers are untouched where the pass raises (where there are other ranks, this rank joins
       the all_gather flagged as failed first, so that they raise too instead of waiting).

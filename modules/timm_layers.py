@@ -1,7 +1,7 @@
 """timm's batch norm + activation layers as ours: ``BatchNormAct2d``, ``SyncBatchNormAct`` and
 ``FrozenBatchNormAct2d`` (``timm.layers.norm_act``) become :class:`SyncBatchNormAct2d`, with the
 same parameters, buffers, ``drop`` and ``act`` modules and ``state_dict`` keys (the conversion
-both ways is :mod:`modules.conversion`'s).
+both ways is :mod:`syncbn.modules.conversion`'s).
 
 timm is never imported here unless a layer is built from an activation name: its classes are
 recognised by their qualified names, so the library does not depend on timm.
@@ -53,7 +53,7 @@ class SyncBatchNormAct2d(SyncBatchNorm2d):
     is applied after the batch norm. ``forward(x, z=None)`` adds ``z`` before a fused
     activation, as :class:`SyncBatchNorm` does; with an unfused one, ``z`` is refused.
 
-    ``timm_class`` is the timm layer that :func:`modules.conversion.revert_sync_batchnorm` gives
+    ``timm_class`` is the timm layer that :func:`syncbn.modules.conversion.revert_sync_batchnorm` gives
     back (``BatchNormAct2d`` where the layer was built directly).
     """
 

@@ -246,7 +246,7 @@ Sums sum_replicas(std::vector<SumsPart>& parts, const Ranks& ranks) {
   return Sums(sum_dy, sum_dy_xmu, count, /*shared=*/parts.size() > 1);
 }
 
-// Raise `message` as functions.ReplicaSyncError from a thread without the GIL (an autograd
+// Raise `message` as syncbn.functions.ReplicaSyncError from a thread without the GIL (an autograd
 // engine thread): the engine re-raises a python_error as the Python exception it holds.
 void raise_replica_sync_error(const std::string& message) {
   python_error error;

@@ -25,7 +25,7 @@ using OptTensor = std::optional<at::Tensor>;
 using OptStream = std::optional<c10::Stream>;
 using Ready = std::shared_ptr<c10::Event>;
 
-extern PyObject* replica_sync_error;  // functions.ReplicaSyncError, once Python has set it
+extern PyObject* replica_sync_error;  // syncbn.functions.ReplicaSyncError, once Python has set it
 
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> op(const char* name) {
@@ -202,7 +202,7 @@ Result meet(const std::shared_ptr<ReplicaRound>& round, const char* direction, i
   return round->exchange<Part, Result>(direction, call, index, std::move(part), on_own_stream, abandoned);
 }
 
-// Raise `message` as functions.ReplicaSyncError from a thread without the GIL (an autograd
+// Raise `message` as syncbn.functions.ReplicaSyncError from a thread without the GIL (an autograd
 // engine thread): the engine re-raises a python_error as the Python exception it holds.
 [[noreturn]] void raise_replica_sync_error(const std::string& message);
 

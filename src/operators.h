@@ -21,7 +21,7 @@ inline at::ScalarType accumulation_type(at::ScalarType dtype) { return dtype == 
 inline bool is_host_vector(const at::Tensor& t) { return t.is_cpu() && t.dim() == 1 && t.is_contiguous(); }
 
 // The layout that full-size outputs take: x's, where x is laid out channels-last and not also
-// contiguous; contiguous otherwise (functions.operators.reference.memory_format_of).
+// contiguous; contiguous otherwise (syncbn.functions.operators.reference.memory_format_of).
 inline at::MemoryFormat memory_format_of(const at::Tensor& x) {
   if (x.is_contiguous()) return at::MemoryFormat::Contiguous;
   if (x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast)) return at::MemoryFormat::ChannelsLast;

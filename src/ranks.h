@@ -37,12 +37,12 @@ inline pybind11::object ready_object(const Ready& ready) {
 
 
 
-// This process's ranks, as Python holds them (functions.synchronization.synchronizer.Synchronizer), or none.
+// This process's ranks, as Python holds them (syncbn.functions.synchronization.synchronizer.Synchronizer), or none.
 // The rows are built, merged, unpacked and (read at once, where they pass) judged here; Python is
 // called for the collectives, for the checks where they fail, and, where they are deferred, to
 // queue the verdicts that this copies to host memory (functions/synchronization/checks.py reads them later). Made
 // with the GIL held (the binding), which reads the call's identity (Synchronizer.native:
-// functions.synchronization.distributed.native_ranks); its calls take the GIL; kept by the backward node and
+// syncbn.functions.synchronization.distributed.native_ranks); its calls take the GIL; kept by the backward node and
 // released under the GIL.
 class Ranks {
  public:
@@ -149,7 +149,7 @@ class Ranks {
       python().attr("judge_summed")(row);
     }
     auto [total_dy, total_dy_xmu] = ops().unpack_row.call(row, row_layout().identities, sum_dy.scalar_type());
-    if (device_count_.defined()) {  // functions.operators.reference.sums_per_value: the kernel divides by 1
+    if (device_count_.defined()) {  // syncbn.functions.operators.reference.sums_per_value: the kernel divides by 1
       return {total_dy / device_count_, total_dy_xmu / device_count_, 1};
     }
     return {total_dy, total_dy_xmu, count_};
@@ -159,7 +159,7 @@ class Ranks {
   pybind11::object python() const { return pybind11::reinterpret_borrow<pybind11::object>(sync_); }
 
   // The ranks are at the same call of the same layer iff world * sum(v^2) == sum(v)^2 for the
-  // layer id and the call number (functions.synchronization.distributed._explain_backward); read at once.
+  // layer id and the call number (syncbn.functions.synchronization.distributed._explain_backward); read at once.
   bool identities_agree(const at::Tensor& row) const {
     const auto summed = row.narrow(0, 0, 4).cpu();
     const double* v = summed.const_data_ptr<double>();

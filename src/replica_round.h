@@ -25,7 +25,7 @@
 namespace syncbn {
 
 // The round was broken (a failure, a timeout, an abort): what a waiting replica raises, as
-// functions.ReplicaSyncError in Python.
+// syncbn.functions.ReplicaSyncError in Python.
 struct RoundBroken : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
@@ -35,7 +35,7 @@ struct RoundBroken : std::runtime_error {
 // Python exceptions that C++ ones become.
 std::string failure_reason(int64_t index, const std::exception_ptr& error);
 
-// A broken round's `reason` raised as functions.ReplicaSyncError, with the GIL held (the bindings'
+// A broken round's `reason` raised as syncbn.functions.ReplicaSyncError, with the GIL held (the bindings'
 // error: src/sync_batch_norm.cpp).
 [[noreturn]] void throw_replica_sync_error(const std::string& reason);
 

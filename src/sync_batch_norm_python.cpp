@@ -72,7 +72,7 @@ void bind_sync_batch_norm(pybind11::module_& m) {
       [](int64_t header, int64_t agreeing, int64_t failed, int64_t shape_dims, int64_t identities) {
         row_layout() = RowLayout{header, agreeing, failed, shape_dims, identities};
       },
-      "The collectives' row layout (functions.synchronization.distributed.row_layout), set once at import");
+      "The collectives' row layout (syncbn.functions.synchronization.distributed.row_layout), set once at import");
   py::class_<ReadyEvent>(m, "ReadyEvent", "The event after a deferred verdict's copies to host memory")
       .def("query", &ReadyEvent::query, "Whether the device has run the copies")
       .def("synchronize", &ReadyEvent::synchronize, py::call_guard<py::gil_scoped_release>(),

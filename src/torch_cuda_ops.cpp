@@ -40,7 +40,7 @@ at::Tensor per_channel(const at::Tensor& v, const at::Tensor& x) {
 at::Tensor laid_out_as(const at::Tensor& y, const at::Tensor& x) { return y.contiguous(memory_format_of(x)); }
 
 // (scale, shift) of y = x * scale + shift in invstd's dtype: scale = invstd * weight,
-// shift = bias - mean * scale (functions.operators.reference.affine_params).
+// shift = bias - mean * scale (syncbn.functions.operators.reference.affine_params).
 std::pair<at::Tensor, at::Tensor> affine_params(const at::Tensor& mean, const at::Tensor& invstd,
                                                 const OptTensor& weight, const OptTensor& bias) {
   const auto scale = weight && weight->defined() ? invstd * weight->to(invstd.scalar_type()) : invstd;

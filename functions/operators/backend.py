@@ -1,4 +1,4 @@
-"""Which kernels serve the ``torch.ops.syncbn`` operators (:mod:`functions.operators.ops`) on each device.
+"""Which kernels serve the ``torch.ops.syncbn`` operators (:mod:`syncbn.functions.operators.ops`) on each device.
 
 The dispatcher picks the kernel by the tensors' device; this module decides what is registered
 (:func:`use_kernels`; :func:`backend_info` says what serves):
@@ -231,7 +231,7 @@ def backend_name(device: torch.device) -> str:
 def serves_single_device(device: torch.device) -> bool:
     """Whether our kernels may serve a lone replica on ``device`` at all: only the compiled CPU
     kernels do (cuDNN serves a lone CUDA replica). Which inputs they serve there:
-    :mod:`functions.operators.lone_replica`."""
+    :mod:`syncbn.functions.operators.lone_replica`."""
     return backend_name(device).startswith("compiled-cpu")
 
 

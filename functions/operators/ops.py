@@ -3,8 +3,8 @@ declared once here, and what every device gets whatever was built.
 
 - The schemas below are the one declaration of each operation. The compiled extensions register
   their kernels for their dispatch key (``src/operators.h``: CPU from ``functions/_C_<capability>``,
-  CUDA from ``functions/_C_cuda``) when :mod:`functions.operators.backend` imports them.
-- The pure-PyTorch reference (:mod:`functions.operators.reference`) is registered as the
+  CUDA from ``functions/_C_cuda``) when :mod:`syncbn.functions.operators.backend` imports them.
+- The pure-PyTorch reference (:mod:`syncbn.functions.operators.reference`) is registered as the
   ``CompositeExplicitAutograd`` kernel: it serves every device without a compiled kernel of its
   own (and every device after ``use_kernels(cpu="reference", cuda="reference")``).
 - A fake implementation of each (shapes, dtypes and layouts only) lets torch.compile,
@@ -13,8 +13,8 @@ declared once here, and what every device gets whatever was built.
 - A vmap rule of each (:func:`register_vmap_rules`) folds the vmapped dimension into the
   channels, as functorch's own batch-norm rule does, so that torch.func.vmap works.
 
-The operators have no autograd formula of their own: :class:`functions.SyncBatchNormFunction`,
-:class:`functions.FrozenBatchNormFunction` and :class:`functions.InPlaceABNFunction` are their
+The operators have no autograd formula of their own: :class:`syncbn.functions.SyncBatchNormFunction`,
+:class:`syncbn.functions.FrozenBatchNormFunction` and :class:`syncbn.functions.InPlaceABNFunction` are their
 autograd. The in-place ones (``abn_*``) have no vmap rule: torch.func.vmap over an in-place
 layer is not supported. Called through the
 dispatcher, the compiled kernels run without the GIL.
@@ -86,7 +86,7 @@ SCHEMAS = {
     ),
 }
 """Schema of each operator. Per-channel outputs are ``(C,)``; full-size ones are shaped as
-``x`` and laid out as :func:`functions.operators.reference.memory_format_of` says."""
+``x`` and laid out as :func:`syncbn.functions.operators.reference.memory_format_of` says."""
 
 LIBRARY = torch.library.Library(NAMESPACE, "DEF")
 for _name, _schema in SCHEMAS.items():

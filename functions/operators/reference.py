@@ -1,7 +1,7 @@
 """Pure-PyTorch reference kernels of the batch-norm operations.
 
 Each function here is the reference implementation of the operator of the same name,
-``torch.ops.syncbn.<name>`` (schemas in :mod:`functions.operators.ops`, which registers these for every
+``torch.ops.syncbn.<name>`` (schemas in :mod:`syncbn.functions.operators.ops`, which registers these for every
 device that has no compiled kernels); every compiled kernel (``src/``) is tested against it.
 Shapes: ``x`` and ``dy`` are ``(N, C, *)`` in any layout; per-channel tensors are ``(C,)``:
 statistics from ``local_stats`` and ``merge_stats`` in float64 (``STATS_DTYPE``), the ``mean``
@@ -251,7 +251,7 @@ def update_running_stats(
     average) when it is None, taken on the device (no host read). An empty batch only counts.
     ``count`` may be a 0-dim tensor on the device (the operator takes an int): then an empty
     or one-value batch is told apart on the device too, and leaves the statistics as they were
-    (the one-value error is the checks' business, :mod:`functions.synchronization.checks`); a NaN count (a
+    (the one-value error is the checks' business, :mod:`syncbn.functions.synchronization.checks`); a NaN count (a
     failed exchange) leaves ``num_batches_tracked`` too.
     """
     on_device = isinstance(count, Tensor)
@@ -317,7 +317,7 @@ def merge_gathered_stats(
 
 def pack_row(head: list[float], a: Tensor, b: Tensor) -> Tensor:
     """The float64 row ``[head, a, b]`` on ``a``'s device, ``a`` and ``b`` 1-D floating tensors
-    there: what one collective over ranks sends (:mod:`functions.synchronization.distributed`). The head is
+    there: what one collective over ranks sends (:mod:`syncbn.functions.synchronization.distributed`). The head is
     copied from pinned host memory without waiting for a GPU."""
     if a.dim() != 1 or b.dim() != 1:
         raise RuntimeError(f"syncbn.pack_row: expected 1-D a and b, got shapes {tuple(a.shape)} and {tuple(b.shape)}")

@@ -1,7 +1,7 @@
 """Pure-PyTorch reference kernels of the in-place activated batch norm (In-Place ABN, Rota Bulo
 et al. 2018; the layers in modules/inplace_abn.py): the ``torch.ops.syncbn.abn_*`` operators,
-registered by :mod:`functions.operators.ops` as :mod:`functions.operators.reference`'s are, and the oracle of their
-compiled kernels. Shapes and layouts as in :mod:`functions.operators.reference`.
+registered by :mod:`syncbn.functions.operators.ops` as :mod:`syncbn.functions.operators.reference`'s are, and the oracle of their
+compiled kernels. Shapes and layouts as in :mod:`syncbn.functions.operators.reference`.
 """
 from __future__ import annotations
 

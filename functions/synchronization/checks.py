@@ -4,7 +4,7 @@ costs nothing.
 A synchronized layer checks at every exchange across processes that the ranks agree (same layer
 and call, same dtype, no rank failed before the exchange, more than one value per channel).
 The verdict is a small tensor made on the collective's device from the gathered data
-(:mod:`functions.synchronization.distributed`). One rule says when it is read: where reading it waits for no
+(:mod:`syncbn.functions.synchronization.distributed`). One rule says when it is read: where reading it waits for no
 device (a CPU tensor), at once, at the layer; on CUDA, where reading it is a host
 synchronization (the GPU runs dry until the host has queued the next work, once per layer), it
 is deferred:
@@ -18,13 +18,13 @@ is deferred:
 
 The debug mode ``SYNCBN_CHECKS=layer`` reads every verdict at its layer (a host synchronization
 per layer on CUDA, as ``TORCH_DISTRIBUTED_DEBUG`` trades speed for errors). Under torch.compile
-the same verdict is asserted on the device (:mod:`functions.synchronization.traced_ranks`).
+the same verdict is asserted on the device (:mod:`syncbn.functions.synchronization.traced_ranks`).
 
 A deferred failure raises the same error as the debug mode would have, later (its message says
 so); the verdicts pending then are dropped with it (they are most often its consequences).
 Meanwhile the step went on with the statistics as gathered, but a failed exchange changed no
 running statistics (the ``merge_gathered_stats`` operator updates them only where the rows pass
-the checks, on the device: :class:`functions.synchronization.synchronizer.Synchronizer`).
+the checks, on the device: :class:`syncbn.functions.synchronization.synchronizer.Synchronizer`).
 A rank that raised at once (its own bad input) joined that exchange with a failed flag and then
 stops: the others raise when they read that verdict, or wait at their next collective until the
 process group's timeout (``init_process_group(timeout=...)``), never a silent hang.

@@ -10,7 +10,7 @@ rank check, on the same gathered data and so with the same verdict, that all ran
 same call of the same layer, with inputs of one dtype, and that none failed before the exchange.
 The verdict, the merge, the global count and the running statistics' update are one operator
 on the collective's device (``merge_gathered_stats``: where the verdict fails, nothing is
-updated); nothing is read on the host per layer but where :mod:`functions.synchronization.checks` says (at once
+updated); nothing is read on the host per layer but where :mod:`syncbn.functions.synchronization.checks` says (at once
 for CPU tensors or ``SYNCBN_CHECKS=layer``, deferred on CUDA by default).
 
 Backward: ONE all_reduce (sum) of the float64 row [id, id^2, n, n^2, sum_dy (C), sum_dy_xmu (C)]
@@ -181,7 +181,7 @@ def _explain_forward(call: ProcessGroupCall, heads: list[list[float]]) -> BaseEx
 
 def judge_gathered(call: ProcessGroupCall, valid: Tensor, rows: Tensor) -> bool:
     """Check the gathered ``rows`` that ``merge_gathered_stats`` judged ``valid``: at once or
-    deferred (:func:`functions.synchronization.checks.verify_judged`, whose result this returns)."""
+    deferred (:func:`syncbn.functions.synchronization.checks.verify_judged`, whose result this returns)."""
     return checks.verify_judged(valid, lambda: rows[:, :HEADER_SIZE], lambda values: _explain_forward(call, values))
 
 
@@ -230,7 +230,7 @@ def report_backward_failure(call: ProcessGroupCall, channels: int, device: torch
 
 def judge_summed(call: ProcessGroupCall, row: Tensor) -> None:
     """Check the summed identities that lead the backward's ``row``: at once or deferred
-    (:func:`functions.synchronization.checks.verify`)."""
+    (:func:`syncbn.functions.synchronization.checks.verify`)."""
     checks.verify(row[:IDENTITY_SIZE], lambda values: _explain_summed(call, values))
 
 

@@ -134,7 +134,7 @@ class ReplicaRound:
             native.abort(self._failure_reason())
 
     def native(self) -> Any:
-        """The round's native side (:data:`functions.operators.backend.NATIVE_ROUNDS`), made at its first
+        """The round's native side (:data:`syncbn.functions.operators.backend.NATIVE_ROUNDS`), made at its first
         exchange, which seals the round; broken already where the round is. Without the compiled
         module, replicas cannot meet: a clear error says how to build it."""
         native = self._native  # set once, never unset: read without the lock on every call after

@@ -70,7 +70,7 @@ class Synchronizer:
         """This replica's (mean, invstd) once the forward has made them."""
         self.given: tuple[Tensor, Tensor, int | Tensor | None] | None = None
         """(mean, invstd, count) that a checkpoint's first run kept for this call, its recomputation:
-        the forward takes them and meets no one (:mod:`functions.checkpointing`)."""
+        the forward takes them and meets no one (:mod:`syncbn.functions.checkpointing`)."""
 
     @classmethod
     def for_call(
@@ -101,7 +101,7 @@ class Synchronizer:
         self, input: Tensor, weight: Tensor | None, bias: Tensor | None, running: stats.Running, eps: float,
         residual: Tensor | None, negative_slope: float | None,
     ) -> Tensor:
-        """This replica's call of :func:`functions.sync_batchnorm.sync_batch_norm`'s math with the
+        """This replica's call of :func:`syncbn.functions.sync_batchnorm.sync_batch_norm`'s math with the
         statistics over every replica and rank (or :attr:`given`), and a backward that meets
         again: ``running`` is (running_mean, running_var, num_batches_tracked, momentum)."""
         return self._run("sync_batch_norm", input, weight, bias, *running, eps, residual, negative_slope)
@@ -110,7 +110,7 @@ class Synchronizer:
         self, x: Tensor, weight: Tensor | None, bias: Tensor | None, running: stats.Running, eps: float,
         activation: str, activation_param: float,
     ) -> Tensor:
-        """:func:`functions.inplace_abn.inplace_abn`'s math written over ``x``, with the statistics
+        """:func:`syncbn.functions.inplace_abn.inplace_abn`'s math written over ``x``, with the statistics
         over every replica and rank (or :attr:`given`), and a backward that meets again."""
         return self._run("inplace_abn", x, weight, bias, *running, eps, activation, activation_param)
 
@@ -118,7 +118,7 @@ class Synchronizer:
         """The native call ``name`` (``src/sync_batch_norm.cpp``) for this replica: it computes its
         statistics, meets, normalizes its own input and records the node whose backward meets
         again; this keeps its (mean, invstd) in :attr:`normalization` and the count in
-        :attr:`count`. Raises :class:`~functions.ReplicaSyncError` where the round broke."""
+        :attr:`count`. Raises :class:`~syncbn.functions.ReplicaSyncError` where the round broke."""
         call = self.replica_call
         round = None if call is None else call.round.native()  # raises where replicas cannot meet
         native_call = getattr(_native(self.layer), name)
@@ -149,13 +149,13 @@ class Synchronizer:
 
     def judge_gathered(self, valid: Tensor, rows: Tensor) -> None:
         """The forward checks where they fail (``valid`` false), read at once: raises
-        (:func:`functions.synchronization.distributed.judge_gathered`)."""
+        (:func:`syncbn.functions.synchronization.distributed.judge_gathered`)."""
         distributed.judge_gathered(self.process_call, valid, rows)
 
     def defer_gathered(self, valid: Tensor, headers: Tensor, ready: checks.Ready | None) -> None:
         """The forward checks where they are deferred: ``valid`` and the rows'
         ``headers`` on their way to host memory, read once ``ready`` has passed
-        (:func:`functions.synchronization.distributed.defer_gathered`)."""
+        (:func:`syncbn.functions.synchronization.distributed.defer_gathered`)."""
         distributed.defer_gathered(self.process_call, valid, headers, ready)
 
     def reduce_row(self, row: Tensor) -> None:
@@ -169,7 +169,7 @@ class Synchronizer:
 
     def defer_summed(self, identities: Tensor, ready: checks.Ready | None) -> None:
         """The backward checks where they are deferred: the summed ``identities``
-        on their way to host memory (:func:`functions.synchronization.distributed.defer_summed`)."""
+        on their way to host memory (:func:`syncbn.functions.synchronization.distributed.defer_summed`)."""
         distributed.defer_summed(self.process_call, identities, ready)
 
     def owe_backward(self) -> None:
@@ -208,7 +208,7 @@ class Synchronizer:
         owes it in this pass. Inside one, the failure may come from the region's recomputation
         (this call's, or the one its backward's unpacking started), which others may still be
         running: only where the region's first run met no one but its own calls
-        (:func:`functions.checkpointing.met_only_its_own`), so that its recomputation meets no
+        (:func:`syncbn.functions.checkpointing.met_only_its_own`), so that its recomputation meets no
         one, is it the latest call of the region still owed (the engine runs a graph's nodes in
         reverse order of their making). Elsewhere nothing is certain: no report, and the others
         wait for the collective timeout."""
@@ -271,7 +271,7 @@ OWED = OwedBackwards()
 
 def check_not_captured(input: Tensor, layer: str, direction: str = "forward") -> None:
     """Refuse a synchronized ``direction`` of ``layer`` on a CUDA stream that a CUDA graph is
-    capturing (:func:`functions.stats.check_not_capturing`), before any work."""
+    capturing (:func:`syncbn.functions.stats.check_not_capturing`), before any work."""
     if input.is_cuda:
         stats.check_not_capturing(torch.cuda.is_current_stream_capturing(), layer, direction)
 

@@ -1,9 +1,9 @@
 """Synchronized batch norm across ranks as code that torch.compile traces: the statistics travel
 through PyTorch's functional collectives (``torch.distributed._functional_collectives``, the
 ``_c10d_functional`` operators), so that the exchange is part of the compiled graph instead of a
-graph break. The math is the eager path's (:mod:`functions.sync_batchnorm`):
+graph break. The math is the eager path's (:mod:`syncbn.functions.sync_batchnorm`):
 
-Forward: each rank's row, the eager path's (:func:`functions.synchronization.distributed.stats_header`: layer
+Forward: each rank's row, the eager path's (:func:`syncbn.functions.synchronization.distributed.stats_header`: layer
 key, call number 0, dtype code, failed flag 0, shape, count; then mean (C), M2 (C), float64) goes
 through ONE all_gather; every rank judges the headers, merges the rows in rank order with Chan's
 formula and updates the running statistics on the device, in one operator
@@ -37,7 +37,7 @@ from ..operators.reference import STATS_DTYPE, accumulation_dtype, in_dtype, mem
 from ..stats import Running
 
 def _rank_row(x: Tensor, layer: str) -> Tensor:
-    """This rank's row, as the eager path's (:func:`functions.synchronization.distributed.stats_header`), at call
+    """This rank's row, as the eager path's (:func:`syncbn.functions.synchronization.distributed.stats_header`), at call
     number 0 (a Python counter would recompile every step)."""
     mean, m2 = OVERLOADS.local_stats(x)
     header = stats_header(layer_key(layer), 0, x.dtype, False, x.shape, values_per_channel(x))
@@ -109,7 +109,7 @@ def traced_sync_batch_norm(
     residual: Tensor | None = None,
     negative_slope: float | None = None,
 ) -> Tensor:
-    """:func:`functions.sync_batch_norm` over the ranks of ``group`` (no replicas in the
+    """:func:`syncbn.functions.sync_batch_norm` over the ranks of ``group`` (no replicas in the
     process), in ops that torch.compile traces, collectives included. Same arguments and results."""
     x = input.contiguous(memory_format=memory_format_of(input))
     running = (running_mean, running_var, num_batches_tracked, momentum)
@@ -119,7 +119,7 @@ def traced_sync_batch_norm(
 
 
 class TracedInPlaceABNFunction(Function):
-    """In-place activated batch norm (:mod:`functions.inplace_abn`) with statistics from
+    """In-place activated batch norm (:mod:`syncbn.functions.inplace_abn`) with statistics from
     :func:`_gathered_stats`: ``apply(x, weight, bias, mean, invstd, total, group, act)`` writes
     over ``x`` and returns it; the backward's sums go through one all_reduce."""
 
@@ -160,7 +160,7 @@ def traced_inplace_abn(
     group,
     layer: str,
 ) -> Tensor:
-    """:func:`functions.inplace_abn.inplace_abn` with batch statistics over the ranks of
+    """:func:`syncbn.functions.inplace_abn.inplace_abn` with batch statistics over the ranks of
     ``group`` (no replicas in the process), in ops that torch.compile traces. ``x`` (contiguous
     or channels_last) is written over and returned."""
     total, mean, var = _gathered_stats(x.detach(), group, layer, (running_mean, running_var, num_batches_tracked, momentum))
