@@ -128,6 +128,20 @@ def test_functorch_transforms_are_seen() -> None:
     assert seen == [False, True, True]
 
 
+def test_functorch_wrapped_tensors_are_seen() -> None:
+    # a transform's wrapper reaches other threads as a tensor, where no transform is active
+    seen: list = []
+
+    def f(x):
+        seen.append(torch_internals.is_functorch_wrapped(x))
+        return x.sum()
+
+    f(torch.ones(2))
+    torch.func.vmap(f)(torch.ones(3, 2))
+    torch.func.grad(f)(torch.ones(2))
+    assert seen == [False, True, True]
+
+
 def test_checkpoint_stops_its_recomputation_with_the_error_we_recognise() -> None:
     errors: list = []
 
