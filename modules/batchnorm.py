@@ -354,18 +354,9 @@ class SyncBatchNorm(_BatchNorm):
         ``group``) on this layer's state."""
         running_mean, running_var, num_batches_tracked = self._running_state()
         return function(
-            input,
-            running_mean,
-            running_var,
-            self.weight,
-            self.bias,
-            self.momentum,
-            self.eps,
-            num_batches_tracked=num_batches_tracked,
-            layer=self._label(),
-            residual=z,
-            negative_slope=self._negative_slope(),
-            **meeting,
+            input, running_mean, running_var, self.weight, self.bias, self.momentum, self.eps,
+            num_batches_tracked=num_batches_tracked, layer=self._label(), residual=z,
+            negative_slope=self._negative_slope(), **meeting,
         )
 
     def _forward_fixed_stats(self, input: Tensor, z: Tensor | None) -> Tensor:
