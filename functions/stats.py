@@ -21,6 +21,17 @@ def check_values_per_channel(total: int, layer: str, shapes: Sequence[Sequence[i
         )
 
 
+def check_valid_positions(total: int, layer: str, shapes: Sequence[Sequence[int]]) -> None:
+    """Batch statistics over a mask's valid positions need more than one of them over the whole
+    batch (every replica and rank): torch's one-value error, with the count of valid positions."""
+    if total < 2:
+        sizes = ", ".join(str(tuple(s)) for s in shapes)
+        raise ValueError(
+            f"{layer}: Expected more than 1 value per channel when training, got {total} valid position"
+            f"{'' if total == 1 else 's'} of the mask (True: valid) over input size {sizes}"
+        )
+
+
 def check_inputs_agree(layer: str, channels: Sequence[int], dtypes: Sequence[torch.dtype]) -> None:
     """The replicas' inputs have the same channels and dtype (replica ``i``'s input: ``channels[i]``
     channels of ``dtypes[i]``); the native meeting calls this where they do not, for its message."""

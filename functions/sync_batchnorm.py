@@ -29,7 +29,8 @@ from torch.nn import functional as F
 from .operators import backend, reference  # noqa: F401  (backend: registers the kernels)
 from . import torch_internals
 from .operators.ops import OVERLOADS
-from .operators.reference import in_dtype, memory_format_of, values_per_channel
+from . import masking
+from .operators.reference import STATS_DTYPE, in_dtype, memory_format_of, values_per_channel
 from .stats import check_values_per_channel
 from .synchronization.synchronizer import Synchronizer
 
@@ -38,9 +39,10 @@ class SyncBatchNormFunction(Function):
     """Batch norm with the batch's statistics on one device (see the module docstring).
 
     ``apply(input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
-    layer, residual, negative_slope)`` returns ``(y, mean, invstd)`` (the last two, in the
+    layer, residual, negative_slope, mask)`` returns ``(y, mean, invstd)`` (the last two, in the
     accumulation dtype, are not differentiable); one ``batch_norm_train`` operator does the whole
-    forward. ``layer`` names the layer in errors. ``input`` is ``(N, C, *)``; weight, bias and
+    forward, or with a ``mask`` (bool ``(N, *spatial)``, :func:`syncbn.functions.masking.positions_mask`)
+    the masked one over the valid positions (:mod:`syncbn.functions.masking`). ``layer`` names the layer in errors. ``input`` is ``(N, C, *)``; weight, bias and
     running stats are ``(C,)`` or None; ``residual`` is None or shaped as ``input``;
     ``negative_slope`` is None (no activation) or the activation's slope below 0 (ReLU: 0).
 
@@ -63,8 +65,12 @@ class SyncBatchNormFunction(Function):
         layer: str,
         residual: Tensor | None = None,
         negative_slope: float | None = None,
+        mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         x = input.contiguous(memory_format=memory_format_of(input))
+        if mask is not None:
+            running = (running_mean, running_var, num_batches_tracked, momentum)
+            return masking.batch_norm_train(x, mask, weight, bias, running, eps, layer, residual, negative_slope)
         check_values_per_channel(values_per_channel(x), layer, [x.shape])
         return OVERLOADS.batch_norm_train(
             x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, residual, negative_slope
@@ -72,17 +78,18 @@ class SyncBatchNormFunction(Function):
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor, Tensor]) -> None:
-        input, weight, bias, _, _, _, _, eps, layer, residual, negative_slope = inputs
+        input, weight, bias, _, _, _, _, eps, layer, residual, negative_slope, *mask = inputs
         _, mean, invstd = output
         ctx.mark_non_differentiable(mean, invstd)
-        ctx.save_for_backward(input, weight, bias, residual, mean, invstd)
+        ctx.save_for_backward(input, weight, bias, residual, mean, invstd, *mask)
         ctx.layer, ctx.eps, ctx.negative_slope = layer, eps, negative_slope
 
     @staticmethod
     def backward(ctx, grad_output: Tensor, _grad_mean: Tensor | None, _grad_invstd: Tensor | None):  # type: ignore[override]
         if torch.is_grad_enabled():  # create_graph=True
             return differentiable_backward(ctx, grad_output, batch_norm_with_batch_stats, (0, 1, 2, 9))
-        input, weight, bias, residual, mean, invstd = ctx.saved_tensors
+        input, weight, bias, residual, mean, invstd, *mask = ctx.saved_tensors
+        mask = mask[0] if mask else None
         x = input.contiguous(memory_format=memory_format_of(input))
         dy = grad_output.contiguous(memory_format=memory_format_of(x))
         needs = ctx.needs_input_grad
@@ -94,14 +101,17 @@ class SyncBatchNormFunction(Function):
                 input_grad=False, residual_grad=True, sums=True,
             )
         grad_input = grad_weight = grad_bias = None
-        if needs[0]:
+        if needs[0] and mask is not None:
+            count = mask.sum(dtype=STATS_DTYPE)
+            grad_input = masking.input_grad(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count, mask)
+        elif needs[0]:
             grad_input = OVERLOADS.backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, values_per_channel(x))
         if weight is not None and needs[1]:
             grad_weight = in_dtype(sum_dy_xmu * invstd, weight.dtype)
         if bias is not None and needs[2]:
             grad_bias = in_dtype(sum_dy, bias.dtype)
         grad_residual = dy if residual is not None and needs[9] else None
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, grad_residual, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, grad_residual, None, None
 
 
 def apply_function(function: type[Function], *args):
@@ -116,7 +126,11 @@ def apply_function(function: type[Function], *args):
 
 def batch_norm_with_batch_stats(ctx, input: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None) -> Tensor:
     """The training forward in torch's differentiable ops (what double backward differentiates)."""
-    y = F.batch_norm(input, None, None, weight, bias, True, 0.0, ctx.eps)
+    mask = ctx.saved_tensors[6] if len(ctx.saved_tensors) > 6 else None
+    if mask is not None:
+        y = masking.differentiable_forward(input, mask, weight, bias, ctx.eps)
+    else:
+        y = F.batch_norm(input, None, None, weight, bias, True, 0.0, ctx.eps)
     return reference.activation(y if residual is None else y + residual, ctx.negative_slope)
 
 
@@ -154,6 +168,7 @@ def sync_batch_norm(
     layer: str = "sync_batch_norm",
     residual: Tensor | None = None,
     negative_slope: float | None = None,
+    mask: Tensor | None = None,
 ) -> Tensor:
     r"""Batch norm over the batch statistics of every replica, as in training mode, with an
     optional fused residual and activation.
@@ -173,16 +188,20 @@ def sync_batch_norm(
     (:meth:`~syncbn.functions.synchronization.synchronizer.Synchronizer.batch_norm`); without it this is an
     ordinary training-mode batch norm through the same kernels. ``residual`` (z, None: 0) is shaped and
     typed as ``input``; ``act`` is the identity when ``negative_slope`` is None, else
-    ``p if p > 0 else p * negative_slope`` (ReLU: 0.0). Returns ``y``, shaped and laid out as
-    ``input``.
+    ``p if p > 0 else p * negative_slope`` (ReLU: 0.0). ``mask`` (None: every position) takes E
+    and Var over the valid positions of a padded batch only, True marking one
+    (:func:`syncbn.functions.masking.positions_mask` says which shapes it takes), and normalizes
+    every position with them. Returns ``y``, shaped and laid out as ``input``.
     """
+    if mask is not None:
+        mask = masking.positions_mask(mask, input, layer)
     if sync is not None:
         running = (running_mean, running_var, num_batches_tracked, momentum)
-        return sync.batch_norm(input, weight, bias, running, eps, residual, negative_slope)
+        return sync.batch_norm(input, weight, bias, running, eps, residual, negative_slope, mask)
     y, _, _ = apply_function(
         SyncBatchNormFunction,
         input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, layer, residual,
-        negative_slope,
+        negative_slope, mask,
     )
     return y
 

@@ -12,6 +12,7 @@ from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..functions import checkpointing, frozen_batch_norm, sync_batch_norm, torch_internals
+from ..functions.masking import positions_mask
 from ..functions.synchronization.traced_ranks import traced_sync_batch_norm
 from ..functions.operators.lone_replica import takes_our_kernels
 from ..functions.synchronization.distributed import ProcessGroupSync, active_process_group, consecutive_rank_groups
@@ -228,35 +229,38 @@ class SyncBatchNorm(_BatchNorm):
         """A new replica round's layer label and timeout."""
         return self._label(), resolve_timeout(self.timeout)
 
-    def forward(self, input: Tensor, z: Tensor | None = None) -> Tensor:
+    def forward(self, input: Tensor, z: Tensor | None = None, *, mask: Tensor | None = None) -> Tensor:
         if isinstance(input, torch.fx.Proxy):
-            return record_fx_call(self, input, z)
+            return record_fx_call(self, input, z, mask)
         if not torch.compiler.is_compiling() and torch_internals.in_selective_recomputation():  # its ops differ from the first run's
             with torch_internals.outside_dispatch_modes():
-                return self._forward(input, z)
-        return self._forward(input, z)
+                return self._forward(input, z, mask)
+        return self._forward(input, z, mask)
 
-    def _forward(self, input: Tensor, z: Tensor | None) -> Tensor:
+    def _forward(self, input: Tensor, z: Tensor | None, mask: Tensor | None = None) -> Tensor:
         """The one place where a call picks its path, in the words of torch's ``need_sync``: fixed
-        statistics; batch statistics met with no one (lone), with other replicas and/or ranks
-        (synced), or with ranks alone in traced code (traced)."""
+        statistics (which ignore a ``mask``); batch statistics met with no one (lone), with other
+        replicas and/or ranks (synced), or with ranks alone in traced code (traced)."""
         if not self._uses_batch_stats():
             return self._forward_fixed_stats(input, z)
         self._check_batch_eps()
+        if mask is not None:
+            self._check_input_dim(input)
+            mask = positions_mask(mask, input, self._label())
         meeting = self._meeting()
         if meeting is None:
-            return self._forward_lone(input, z)
+            return self._forward_lone(input, z, mask)
         handle, group = meeting
         if handle is None and self._traces(input):
-            return self._forward_traced(input, z, group)
-        return self._forward_synced(input, z, handle, group)
+            return self._forward_traced(input, z, group, mask)
+        return self._forward_synced(input, z, handle, group, mask)
 
     def _traces(self, input: Tensor) -> bool:
         """Whether ranks alone meet in traced code: while compiling, and eagerly where the compiled
         module that runs the synchronized calls is not loaded."""
         return torch.compiler.is_compiling() or backend.NATIVE_ROUNDS is None
 
-    def _forward_lone(self, input: Tensor, z: Tensor | None) -> Tensor:
+    def _forward_lone(self, input: Tensor, z: Tensor | None, mask: Tensor | None = None) -> Tensor:
         """Batch statistics of this input alone: torch's own batch norm where ours is not clearly
         faster (:mod:`syncbn.functions.operators.lone_replica`), else our Function."""
         self._check_input(input, z)
@@ -265,12 +269,12 @@ class SyncBatchNorm(_BatchNorm):
             warn_if_data_parallel_meets_no_one()
         # not for the cumulative average (momentum=None), whose factor torch reads on the host (a
         # sync on CUDA, and a value that torch.compile(fullgraph=True) and torch.export cannot trace)
-        takes_torch_kernels = self.momentum is not None and not takes_our_kernels(input, fixed_stats=False)
+        takes_torch_kernels = mask is None and self.momentum is not None and not takes_our_kernels(input, fixed_stats=False)
         if takes_torch_kernels:
             if values_per_channel(input) == 1:  # the label is made only then: this is the hot path
                 check_values_per_channel(1, self._label(), [input.shape])
             return self._activate(self._torch_batch_norm_train(input), z)
-        return self._batch_stats(sync_batch_norm, input, z)
+        return self._batch_stats(sync_batch_norm, input, z, mask)
 
     def _running_state(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """(running_mean, running_var, num_batches_tracked) that a call with batch statistics
@@ -312,7 +316,9 @@ class SyncBatchNorm(_BatchNorm):
         return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, True, self.momentum, self.eps)
 
     @disable_when_compiling
-    def _forward_synced(self, input: Tensor, z: Tensor | None, handle: ReplicaHandle | None, group: Any) -> Tensor:
+    def _forward_synced(
+        self, input: Tensor, z: Tensor | None, handle: ReplicaHandle | None, group: Any, mask: Tensor | None = None,
+    ) -> Tensor:
         """Replicas (``handle``) and/or ranks (``group``) exchange statistics, eagerly:
         torch.compile breaks the graph here (:func:`~syncbn.modules.compiler.disable_when_compiling`).
         A checkpoint's recomputation takes the first run's statistics instead, where it kept them
@@ -329,7 +335,7 @@ class SyncBatchNorm(_BatchNorm):
             self._check_input(input, z)
             check_not_transformed(input, label)
             check_not_captured(input, label)
-            y = self._synced(input, z, sync)
+            y = self._synced(input, z, sync, mask)
         except BaseException as error:
             sync.fail(error)
             raise
@@ -338,25 +344,25 @@ class SyncBatchNorm(_BatchNorm):
             sync.owe_backward()
         return y
 
-    def _forward_traced(self, input: Tensor, z: Tensor | None, group: Any) -> Tensor:
+    def _forward_traced(self, input: Tensor, z: Tensor | None, group: Any, mask: Tensor | None = None) -> Tensor:
         """Ranks alone (no replicas in the process) in traced code: the exchange as functional
         collectives (:mod:`syncbn.functions.synchronization.traced_ranks`), no graph break."""
         self._check_input(input, z)
-        return self._batch_stats(traced_sync_batch_norm, input, z, group=group)
+        return self._batch_stats(traced_sync_batch_norm, input, z, mask, group=group)
 
-    def _synced(self, input: Tensor, z: Tensor | None, sync: Synchronizer) -> Tensor:
+    def _synced(self, input: Tensor, z: Tensor | None, sync: Synchronizer, mask: Tensor | None = None) -> Tensor:
         """The synchronized call itself, its input checked, run natively by ``sync``."""
-        running = self._running_state()
-        return sync.batch_norm(input, self.weight, self.bias, (*running, self.momentum), self.eps, z, self._negative_slope())
+        running = (*self._running_state(), self.momentum)
+        return sync.batch_norm(input, self.weight, self.bias, running, self.eps, z, self._negative_slope(), mask)
 
-    def _batch_stats(self, function: Any, input: Tensor, z: Tensor | None, **meeting: Any) -> Tensor:
+    def _batch_stats(self, function: Any, input: Tensor, z: Tensor | None, mask: Tensor | None, **meeting: Any) -> Tensor:
         """``function`` (:func:`~syncbn.functions.sync_batch_norm`, or the traced one with ``meeting``'s
         ``group``) on this layer's state."""
         running_mean, running_var, num_batches_tracked = self._running_state()
         return function(
             input, running_mean, running_var, self.weight, self.bias, self.momentum, self.eps,
             num_batches_tracked=num_batches_tracked, layer=self._label(), residual=z,
-            negative_slope=self._negative_slope(), **meeting,
+            negative_slope=self._negative_slope(), mask=mask, **meeting,
         )
 
     def _forward_fixed_stats(self, input: Tensor, z: Tensor | None) -> Tensor:

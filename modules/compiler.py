@@ -37,9 +37,9 @@ def disable_when_compiling(fn: _F) -> _F:
     return call  # type: ignore[return-value]
 
 
-def record_fx_call(module: torch.nn.Module, input: torch.fx.Proxy, z: Any) -> torch.fx.Proxy:
+def record_fx_call(module: torch.nn.Module, input: torch.fx.Proxy, z: Any, mask: Any = None) -> torch.fx.Proxy:
     """A layer's call under torch.fx symbolic tracing: one ``call_module`` node, as for torch's
     batch norm (a leaf: rank checks and routing read values that a Proxy does not have)."""
     tracer = input.tracer
     args = (input,) if z is None else (input, z)
-    return tracer.create_proxy("call_module", tracer.path_of_module(module), args, {})
+    return tracer.create_proxy("call_module", tracer.path_of_module(module), args, {} if mask is None else {"mask": mask})

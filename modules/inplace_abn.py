@@ -98,8 +98,8 @@ class ABN(SyncBatchNorm):
     def _fuses(self, z: Tensor | None) -> bool:
         return z is not None or self.activation in _FUSED_SLOPE
 
-    def forward(self, input: Tensor, z: Tensor | None = None) -> Tensor:
-        y = super().forward(input, z)
+    def forward(self, input: Tensor, z: Tensor | None = None, *, mask: Tensor | None = None) -> Tensor:
+        y = super().forward(input, z, mask=mask)
         return F.elu(y, self.activation_param, inplace=True) if self.activation == "elu" else y
 
 
@@ -138,7 +138,12 @@ class InPlaceABN(ABN):
             )
         super()._check_activation(label, activation, activation_param)
 
-    def forward(self, input: Tensor, z: Tensor | None = None) -> Tensor:
+    def forward(self, input: Tensor, z: Tensor | None = None, *, mask: Tensor | None = None) -> Tensor:
+        if mask is not None:
+            raise NotImplementedError(
+                f"{self._label()}: mask= (statistics over a padded batch's valid positions) is not supported in place; "
+                "use ABN, which takes it with the same activation (and fuses leaky_relu)"
+            )
         if isinstance(input, torch.fx.Proxy):
             return record_fx_call(self, input, z)
         if not torch.compiler.is_compiling() and torch_internals.in_selective_recomputation():  # its ops differ from the first run's
@@ -156,14 +161,14 @@ class InPlaceABN(ABN):
     def _forward_fixed_stats(self, input: Tensor, z: Tensor | None) -> Tensor:
         return self._inplace(input, batch_stats=False)
 
-    def _forward_lone(self, input: Tensor, z: Tensor | None) -> Tensor:
+    def _forward_lone(self, input: Tensor, z: Tensor | None, mask: Tensor | None = None) -> Tensor:
         return self._inplace(input, batch_stats=True)
 
     def _traces(self, input: Tensor) -> bool:
         # the traced in-place kernels take the two layouts only; other inputs meet eagerly
         return super()._traces(input) and input.is_contiguous(memory_format=memory_format_of(input))
 
-    def _forward_traced(self, input: Tensor, z: Tensor | None, group: Any) -> Tensor:
+    def _forward_traced(self, input: Tensor, z: Tensor | None, group: Any, mask: Tensor | None = None) -> Tensor:
         """Ranks alone in traced code: the exchange as functional collectives (:mod:`syncbn.functions.synchronization.traced_ranks`)."""
         running_mean, running_var, num_batches_tracked = self._running_state()
         return traced_inplace_abn(
@@ -183,7 +188,7 @@ class InPlaceABN(ABN):
                 f"(size {tuple(input.shape)}, stride {input.stride()}, an expanded tensor?); pass input.contiguous()"
             )
 
-    def _synced(self, input: Tensor, z: Tensor | None, sync: Synchronizer) -> Tensor:
+    def _synced(self, input: Tensor, z: Tensor | None, sync: Synchronizer, mask: Tensor | None = None) -> Tensor:
         running = (*self._running_state(), self.momentum)
         return sync.inplace_abn(input, self.weight, self.bias, running, self.eps, self.activation, self.activation_param)
 

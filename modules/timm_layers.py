@@ -89,12 +89,12 @@ class SyncBatchNormAct2d(SyncBatchNorm2d):
         else:
             self.activation = None
 
-    def forward(self, input: Tensor, z: Tensor | None = None) -> Tensor:
+    def forward(self, input: Tensor, z: Tensor | None = None, *, mask: Tensor | None = None) -> Tensor:
         if self.activation is not None:  # act is fused (drop is the identity)
-            return super().forward(input, z)
+            return super().forward(input, z, mask=mask)
         if z is not None:
             raise ValueError(f"{self._label()}: a residual z needs a fused activation (ReLU or LeakyReLU after no drop)")
-        return self.act(self.drop(super().forward(input)))
+        return self.act(self.drop(super().forward(input, mask=mask)))
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
         if self.num_batches_tracked is None:  # made from timm's frozen layer: no step count, as timm's

@@ -22,7 +22,11 @@ namespace syncbn {
 // The CPU kernels as the CPU kernels of torch.ops.syncbn (on), or not (off: the reference serves).
 void set_cpu_kernels(bool on) {
   static std::unique_ptr<torch::Library> library;
-  switch_kernels(library, c10::DispatchKey::CPU, on, [](torch::Library& m) { SYNCBN_IMPL_KERNELS(m, syncbn::cpu) });
+  switch_kernels(library, c10::DispatchKey::CPU, on, [](torch::Library& m) {
+    SYNCBN_IMPL_KERNELS(m, syncbn::cpu)
+    m.impl("masked_local_stats", TORCH_FN(syncbn::cpu::masked_local_stats));
+    m.impl("masked_backward_elemt", TORCH_FN(syncbn::cpu::masked_backward_elemt));
+  });
 }
 
 void bind_sync_batch_norm(pybind11::module_& m);  // src/sync_batch_norm.cpp

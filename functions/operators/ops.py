@@ -15,8 +15,8 @@ declared once here, and what every device gets whatever was built.
 
 The operators have no autograd formula of their own: :class:`syncbn.functions.SyncBatchNormFunction`,
 :class:`syncbn.functions.FrozenBatchNormFunction` and :class:`syncbn.functions.InPlaceABNFunction` are their
-autograd. The in-place ones (``abn_*``) have no vmap rule: torch.func.vmap over an in-place
-layer is not supported. Called through the
+autograd. The in-place ones (``abn_*``) and the masked ones (``masked_*``) have no vmap rule:
+torch.func.vmap over an in-place layer, or with a mask, is not supported. Called through the
 dispatcher, the compiled kernels run without the GIL.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from . import reference, reference_abn
+from . import reference, reference_abn, reference_masked
 from .reference import STATS_DTYPE, accumulation_dtype, memory_format_of
 
 NAMESPACE = "syncbn"
@@ -80,6 +80,13 @@ SCHEMAS = {
         "(Tensor y, Tensor dy, Tensor invstd, Tensor? weight, Tensor? bias, float eps, str activation, "
         "float activation_param, Tensor? sum_dz, Tensor? sum_xhat_dz, SymInt count) -> Tensor"
     ),
+    # statistics over the valid positions of a padded batch: mask is bool (N, *spatial), True where
+    # valid; count (0-dim float64) the number of valid positions; the sums given already per value
+    "masked_local_stats": "(Tensor x, Tensor mask) -> (Tensor mean, Tensor m2, Tensor count)",
+    "masked_backward_elemt": (
+        "(Tensor dy, Tensor x, Tensor mean, Tensor invstd, Tensor? weight, Tensor mean_dy, Tensor mean_dy_xmu, "
+        "Tensor mask) -> Tensor"
+    ),
     "abn_backward_elemt_": (
         "(Tensor(a!) dy, Tensor y, Tensor invstd, Tensor? weight, Tensor? bias, float eps, str activation, "
         "float activation_param, Tensor? sum_dz, Tensor? sum_xhat_dz, SymInt count) -> ()"
@@ -91,7 +98,8 @@ SCHEMAS = {
 LIBRARY = torch.library.Library(NAMESPACE, "DEF")
 for _name, _schema in SCHEMAS.items():
     LIBRARY.define(_name + _schema)
-    LIBRARY.impl(_name, getattr(reference_abn if _name.startswith("abn_") else reference, _name), "CompositeExplicitAutograd")
+    _home = reference_abn if _name.startswith("abn_") else reference_masked if _name.startswith("masked_") else reference
+    LIBRARY.impl(_name, getattr(_home, _name), "CompositeExplicitAutograd")
 
 OVERLOADS = SimpleNamespace(**{name: getattr(getattr(torch.ops, NAMESPACE), name).default for name in SCHEMAS})
 """``torch.ops.syncbn.<name>.default`` for every operator: what the layers call. The same
@@ -173,6 +181,16 @@ def _batch_norm_train_fake(
 ) -> tuple[Tensor, Tensor, Tensor]:
     acc = accumulation_dtype(x.dtype)
     return _full_size_like(x), _per_channel(x, acc), _per_channel(x, acc)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::masked_local_stats")
+def _masked_local_stats_fake(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return _per_channel(x, STATS_DTYPE), _per_channel(x, STATS_DTYPE), x.new_empty((), dtype=STATS_DTYPE)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::masked_backward_elemt")
+def _masked_backward_elemt_fake(dy, x, mean, invstd, weight, mean_dy, mean_dy_xmu, mask) -> Tensor:
+    return _full_size_like(x)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::abn_forward_")

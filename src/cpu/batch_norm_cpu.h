@@ -20,6 +20,17 @@ namespace syncbn::cpu {
 void merge_moments(const double* counts, const double* const* means, const double* const* m2s, int64_t R, int64_t C,
                    double* mean, double* m2);
 
+// Statistics over the valid positions of a padded batch (functions/operators/reference_masked.py
+// has the math): mask is bool (N, *spatial), True where valid. Mean and M2 per channel (float64)
+// over the valid positions, and their count (0-dim float64).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_local_stats(const at::Tensor& input, const at::Tensor& mask);
+
+// dx = (dy - m * (mean_dy + (x - mean) * invstd^2 * mean_dy_xmu)) * invstd * weight, the sums
+// given per valid value (divided by the whole batch's valid count already).
+at::Tensor masked_backward_elemt(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
+                                 const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
+                                 const at::Tensor& mean_dy, const at::Tensor& mean_dy_xmu, const at::Tensor& mask);
+
 // The instruction set the kernels were built for: "AVX512", "AVX2" or "DEFAULT".
 const char* capability();
 

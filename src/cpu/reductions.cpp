@@ -321,54 +321,6 @@ class ChannelsLastGradPass {
   std::vector<acc_t> sum_g_, sum_g_xmu_;
 };
 
-// Contiguous layout: each channel's values cut into pieces, each piece reduced by a fresh
-// accumulator make(c) fed run by run; returns the per-channel merge of the pieces.
-template <typename Result, typename MakeAcc>
-std::vector<Result> reduce_contiguous(const Layout& l, int64_t lanes, const MakeAcc& make) {
-  const auto pieces = Pieces::of(l.rows(), lanes * kMaxLaneUpdates,
-                                 ceil_div(4 * at::get_num_threads(), std::max<int64_t>(l.C, 1)));
-  std::vector<Result> parts(l.C * pieces.count);
-  const int64_t grain = std::max<int64_t>(1, kGrainElements / pieces.length);
-  at::parallel_for(0, l.C * pieces.count, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t c = item / pieces.count, p = item % pieces.count;
-      auto acc = make(c);
-      for_each_run(l, c, pieces.begin(p), pieces.end(p, l.rows()),
-                   [&](int64_t offset, int64_t length) { acc.add(offset, length); });
-      parts[item] = acc.result();
-    }
-  });
-  std::vector<Result> out(l.C);
-  for (int64_t c = 0; c < l.C; ++c) {
-    for (int64_t p = 0; p < pieces.count; ++p) out[c].merge(parts[c * pieces.count + p]);
-  }
-  return out;
-}
-
-// Channels-last layout: rows cut into pieces, each reduced by a fresh per-row accumulator
-// make() fed the piece's rows (feed(acc, offset of the first, count)); returns the
-// per-channel merge of the pieces.
-template <typename Result, typename MakeAcc, typename Feed>
-std::vector<Result> reduce_channels_last(const Layout& l, const MakeAcc& make, const Feed& feed) {
-  const int64_t threads = at::get_num_threads();
-  auto pieces = Pieces::of(l.rows(), kMaxLaneUpdates, threads);
-  pieces = Pieces::of(l.rows(), pieces.length, ceil_div(pieces.count, threads) * threads);
-  std::vector<Result> parts(pieces.count * l.C);
-  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(pieces.length * l.C, 1));
-  at::parallel_for(0, pieces.count, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      auto acc = make();
-      feed(acc, pieces.begin(p) * l.C, pieces.end(p, l.rows()) - pieces.begin(p));
-      acc.write(parts.data() + p * l.C);
-    }
-  });
-  std::vector<Result> out(l.C);
-  for (int64_t p = 0; p < pieces.count; ++p) {
-    for (int64_t c = 0; c < l.C; ++c) out[c].merge(parts[p * l.C + c]);
-  }
-  return out;
-}
-
 // A channel's plain sum: the mean of a channel holding inf or nan, where Welford's running
 // mean would turn inf into nan (torch's batch norm keeps inf).
 template <typename scalar_t>

@@ -1,0 +1,295 @@
+// Batch norm over the valid positions of a padded batch (the math: functions/operators/reference_masked.py):
+// the statistics of the valid positions in two passes (the mean, then the deviations from it with
+// the mean's rounding residue, as local_stats' reference does), and the input gradient whose
+// batch-norm correction applies at valid positions only. One byte of mask per position, shared by
+// every channel.
+#include <cstring>
+#include <type_traits>
+
+#include "batch_norm_cpu.h"
+#include "per_channel.h"
+#include "pieces.h"
+#include "vectors.h"
+
+namespace syncbn::cpu {
+namespace {
+
+// sum(d) and sum(d^2) of one channel's valid values (or of a part of them), d = x - center.
+struct CenteredSums {
+  double first = 0, second = 0;
+  void merge(const CenteredSums& other) {
+    first += other.first;
+    second += other.second;
+  }
+};
+
+// The mask as one acc_t per position: every bit set where valid (a blendv selector), 0 elsewhere.
+template <typename acc_t>
+std::vector<acc_t> selectors(const bool* mask, int64_t positions) {
+  using Bits = std::conditional_t<sizeof(acc_t) == 8, uint64_t, uint32_t>;
+  const Bits ones = ~Bits(0);
+  acc_t on;
+  std::memcpy(&on, &ones, sizeof(on));
+  std::vector<acc_t> out(positions);
+  for (int64_t i = 0; i < positions; ++i) out[i] = mask[i] ? on : acc_t(0);
+  return out;
+}
+
+// kWidth selectors at `select` (kWhole), or the first `count` < kWidth and zeros.
+template <typename A, bool kWhole>
+typename A::Pack load_selectors(const typename A::acc_t* select, int64_t count) {
+  typename A::Pack out;
+  for (int k = 0; k < A::kVecs; ++k) {
+    const int64_t at = k * A::Vec::size();
+    if constexpr (kWhole) {
+      out[k] = A::Vec::loadu(select + at);
+    } else {
+      out[k] = A::Vec::loadu(select + at, std::clamp<int64_t>(count - at, 0, A::Vec::size()));
+    }
+  }
+  return out;
+}
+
+// The position (sample n, spatial s) of the contiguous layout's value at `offset`: n * S + s.
+inline int64_t position_of(const Layout& l, int64_t offset) { return offset / (l.C * l.S) * l.S + offset % l.S; }
+
+// Contiguous layout: one channel's centered sums over its runs, per vector lane.
+template <typename scalar_t>
+class ContiguousMaskedSums {
+  using A = AccVec<scalar_t>;
+  using acc_t = typename A::acc_t;
+  using Vec = typename A::Vec;
+
+ public:
+  ContiguousMaskedSums(const scalar_t* x, const acc_t* select, const Layout& l, acc_t center)
+      : x_(x), select_(select), l_(l), center_(center), first_(A::broadcast(0)), second_(A::broadcast(0)) {}
+
+  void add(int64_t offset, int64_t length) {
+    const scalar_t* p = x_ + offset;
+    const acc_t* m = select_ + position_of(l_, offset);
+    int64_t i = 0;
+    for (; i + A::kWidth <= length; i += A::kWidth) step(A::load(p + i), load_selectors<A, true>(m + i, A::kWidth));
+    if (i < length) step(A::load_partial(p + i, length - i), load_selectors<A, false>(m + i, length - i));
+  }
+
+  CenteredSums result() const {
+    CenteredSums total;
+    for (int k = 0; k < A::kVecs; ++k) {
+      total.merge({double(at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), first_[k])),
+                   double(at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), second_[k]))});
+    }
+    return total;
+  }
+
+ private:
+  void step(const typename A::Pack& v, const typename A::Pack& select) {
+    for (int k = 0; k < A::kVecs; ++k) {
+      const Vec d = Vec::blendv(Vec(0), v[k] - center_, select[k]);  // a select: padding may hold inf or nan
+      first_[k] = first_[k] + d;
+      second_[k] = at::vec::fmadd(d, d, second_[k]);
+    }
+  }
+
+  const scalar_t* x_;
+  const acc_t* select_;
+  Layout l_;
+  Vec center_;
+  typename A::Pack first_, second_;
+};
+
+// Channels-last layout: the centered sums of every channel over the valid rows.
+template <typename scalar_t>
+class ChannelsLastMaskedSums {
+  using A = AccVec<scalar_t>;
+  using acc_t = typename A::acc_t;
+  using Vec = typename A::Vec;
+
+ public:
+  ChannelsLastMaskedSums(const scalar_t* x, const bool* mask, int64_t C, const acc_t* center)
+      : x_(x), mask_(mask), C_(C), center_(center), first_(padded_params<acc_t>(C, A::kWidth)), second_(first_) {}
+
+  // `count` rows from the value at `offset` (a row's first) on; invalid rows are skipped
+  void add_rows(int64_t offset, int64_t count) {
+    const int64_t row = offset / C_;
+    for (int64_t r = 0; r < count; ++r) {
+      if (!mask_[row + r]) continue;
+      for_each_channel_vector<scalar_t>(C_, [&](int64_t c, const auto& v) { update(c, v); }, x_ + offset + r * C_);
+    }
+  }
+
+  void write(CenteredSums* out) const {
+    for (int64_t c = 0; c < C_; ++c) out[c] = {double(first_[c]), double(second_[c])};
+  }
+
+ private:
+  void update(int64_t c, const typename A::Pack& v) {
+    for (int k = 0; k < A::kVecs; ++k) {
+      const int64_t at = c + k * Vec::size();
+      const Vec d = v[k] - Vec::loadu(center_ + at);
+      (Vec::loadu(first_.data() + at) + d).store(first_.data() + at);
+      at::vec::fmadd(d, d, Vec::loadu(second_.data() + at)).store(second_.data() + at);
+    }
+  }
+
+  const scalar_t* x_;
+  const bool* mask_;
+  int64_t C_;
+  const acc_t* center_;
+  std::vector<acc_t> first_, second_;
+};
+
+// Per channel, sum(x - center) and sum((x - center)^2) over the valid values.
+template <typename scalar_t>
+std::vector<CenteredSums> centered_sums(const scalar_t* x, const bool* mask, const Layout& l,
+                                        const std::vector<typename AccVec<scalar_t>::acc_t>& center) {
+  using A = AccVec<scalar_t>;
+  using acc_t = typename A::acc_t;
+  if (l.channels_last) {
+    using Acc = ChannelsLastMaskedSums<scalar_t>;
+    return reduce_channels_last<CenteredSums>(
+        l, [&] { return Acc(x, mask, l.C, center.data()); },
+        [](Acc& acc, int64_t offset, int64_t count) { acc.add_rows(offset, count); });
+  }
+  const auto select = selectors<acc_t>(mask, l.rows());
+  const int64_t lanes = std::max<int64_t>(1, l.S / ceil_div(l.S, A::kWidth));
+  return reduce_contiguous<CenteredSums>(
+      l, lanes, [&](int64_t c) { return ContiguousMaskedSums<scalar_t>(x, select.data(), l, center[c]); });
+}
+
+// mask as the kernels read it: bool, on the CPU, one value per position of x's layout l.
+at::Tensor positions_mask(const at::Tensor& mask, const at::Tensor& x, const char* op) {
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.device().is_cpu(), "syncbn.", op,
+              ": expected a bool CPU mask, got ", mask.scalar_type(), " on ", mask.device());
+  auto expected = x.sizes().vec();
+  expected.erase(expected.begin() + 1);
+  TORCH_CHECK(mask.sizes() == c10::IntArrayRef(expected), "syncbn.", op, ": expected a mask of shape ", expected,
+              " (the input's without its channels), got ", mask.sizes());
+  return mask.contiguous();
+}
+
+template <typename scalar_t>
+void masked_stats_kernel(const at::Tensor& x, const bool* mask, const Layout& l, double count, double* mean,
+                         double* m2) {
+  using A = AccVec<scalar_t>;
+  using acc_t = typename A::acc_t;
+  const scalar_t* data = x.const_data_ptr<scalar_t>();
+  auto center = padded_params<acc_t>(l.C, A::kWidth);
+  const auto raw = centered_sums<scalar_t>(data, mask, l, center);
+  for (int64_t c = 0; c < l.C; ++c) center[c] = acc_t(raw[c].first / count);
+  const auto centered = centered_sums<scalar_t>(data, mask, l, center);
+  for (int64_t c = 0; c < l.C; ++c) {
+    const double residue = centered[c].first;
+    m2[c] = centered[c].second - residue * residue / count;
+    // an inf makes the residue nan; the mean stays inf, as in torch's batch norm
+    mean[c] = double(center[c]) + (std::isfinite(residue) ? residue / count : 0.0);
+  }
+}
+
+// dx over every value of either layout; coefficients: mean, mean_dy, invstd^2 * mean_dy_xmu, scale.
+template <typename scalar_t>
+void masked_backward_elemt_kernel(const at::Tensor& dy, const at::Tensor& x, const bool* mask, const Layout& l,
+                                  at::Tensor& dx, const std::array<std::vector<double>, 4>& coefficients) {
+  using A = AccVec<scalar_t>;
+  using acc_t = typename A::acc_t;
+  using Vec = typename A::Vec;
+  using Pack = typename A::Pack;
+  std::array<std::vector<acc_t>, 4> k;
+  for (size_t j = 0; j < 4; ++j) k[j] = padded_params<acc_t>(coefficients[j], A::kWidth);
+  const scalar_t* pdy = dy.const_data_ptr<scalar_t>();
+  const scalar_t* px = x.const_data_ptr<scalar_t>();
+  scalar_t* pdx = dx.data_ptr<scalar_t>();
+  // kWidth values (kWhole) or `count` at `offset`, the coefficients as packs, valid where `select`
+  const auto apply = [&](auto whole, int64_t offset, int64_t count, const std::array<Pack, 4>& p, const Pack& select) {
+    constexpr bool kWhole = decltype(whole)::value;
+    const Pack g = A::template load_n<kWhole>(pdy + offset, count), v = A::template load_n<kWhole>(px + offset, count);
+    Pack out;
+    for (int j = 0; j < A::kVecs; ++j) {
+      const Vec correction = at::vec::fmadd(v[j] - p[0][j], p[2][j], p[1][j]);
+      out[j] = (g[j] - Vec::blendv(Vec(0), correction, select[j])) * p[3][j];
+    }
+    A::template store_n<kWhole>(pdx + offset, out, count);
+  };
+  if (l.channels_last) {
+    const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(l.C, 1));
+    const Pack none = A::broadcast(0);
+    const Pack on = [] {
+      Pack s;
+      for (int j = 0; j < A::kVecs; ++j) s[j] = Vec(1) == Vec(1);  // every bit set
+      return s;
+    }();
+    at::parallel_for(0, l.rows(), grain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const Pack& select = mask[r] ? on : none;
+        for (int64_t c = 0; c < l.C; c += A::kWidth) {
+          std::array<Pack, 4> p;
+          for (size_t j = 0; j < 4; ++j) p[j] = A::load_params(k[j].data() + c);
+          if (c + A::kWidth <= l.C) {
+            apply(std::true_type{}, r * l.C + c, A::kWidth, p, select);
+          } else {
+            apply(std::false_type{}, r * l.C + c, l.C - c, p, select);
+          }
+        }
+      }
+    });
+    return;
+  }
+  const auto select = selectors<acc_t>(mask, l.rows());
+  at::parallel_for(0, l.numel(), kGrainElements, [&](int64_t begin, int64_t end) {
+    while (begin < end) {
+      const int64_t row = begin / l.S, length = std::min(l.S - begin % l.S, end - begin);
+      std::array<Pack, 4> p;
+      for (size_t j = 0; j < 4; ++j) p[j] = A::broadcast(k[j][row % l.C]);
+      const acc_t* m = select.data() + position_of(l, begin);
+      int64_t i = 0;
+      for (; i + A::kWidth <= length; i += A::kWidth) {
+        apply(std::true_type{}, begin + i, A::kWidth, p, load_selectors<A, true>(m + i, A::kWidth));
+      }
+      if (i < length) apply(std::false_type{}, begin + i, length - i, p, load_selectors<A, false>(m + i, length - i));
+      begin += length;
+    }
+  });
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_local_stats(const at::Tensor& input, const at::Tensor& mask) {
+  check_input(input, "masked_local_stats");
+  const auto [x, l] = as_layout(input);
+  const auto m = positions_mask(mask, input, "masked_local_stats");
+  const bool* valid = m.const_data_ptr<bool>();
+  int64_t count = 0;
+  for (int64_t i = 0; i < l.rows(); ++i) count += valid[i];
+  auto mean = at::zeros({l.C}, input.options().dtype(at::kDouble));
+  auto m2 = at::zeros({l.C}, input.options().dtype(at::kDouble));
+  if (count > 0 && l.C > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_masked_local_stats", [&] {
+      masked_stats_kernel<scalar_t>(x, valid, l, double(count), mean.data_ptr<double>(), m2.data_ptr<double>());
+    });
+  }
+  return {mean, m2, at::scalar_tensor(double(count), mean.options())};
+}
+
+at::Tensor masked_backward_elemt(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
+                                 const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
+                                 const at::Tensor& mean_dy, const at::Tensor& mean_dy_xmu, const at::Tensor& mask) {
+  check_input(input, "masked_backward_elemt");
+  TORCH_CHECK(grad_output.scalar_type() == input.scalar_type(), "syncbn.masked_backward_elemt: grad_output is ",
+              grad_output.scalar_type(), " but the input is ", input.scalar_type());
+  const auto [x, l] = as_layout(input);
+  const auto dy = like_layout(grad_output, x, "grad_output");
+  const auto m = positions_mask(mask, input, "masked_backward_elemt");
+  auto dx = at::empty_like(x);
+  if (l.numel() == 0) return dx;
+  const auto invstd_d = per_channel_doubles(invstd, l.C, 1.0);
+  auto coef = per_channel_doubles(mean_dy_xmu, l.C, 0.0);
+  for (int64_t c = 0; c < l.C; ++c) coef[c] *= invstd_d[c] * invstd_d[c];
+  const std::array<std::vector<double>, 4> coefficients{per_channel_doubles(mean, l.C, 0.0),
+                                                        per_channel_doubles(mean_dy, l.C, 0.0), coef,
+                                                        affine_coefficients(mean, invstd, weight, std::nullopt, l.C).first};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_masked_backward_elemt", [&] {
+    masked_backward_elemt_kernel<scalar_t>(dy, x, m.const_data_ptr<bool>(), l, dx, coefficients);
+  });
+  return dx;
+}
+
+}  // namespace syncbn::cpu
