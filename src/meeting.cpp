@@ -94,10 +94,13 @@ void check_parts_agree(const std::vector<StatsPart>& parts, const std::string& l
   raise_failed_check("check_inputs_agree", layer, channels, dtypes);
 }
 
-void check_values_per_channel(const std::vector<StatsPart>& parts, int64_t total, const std::string& layer) {
-  if (total != 1) return;
+// More than one value per channel over the replicas (with a mask: more than one valid position).
+void check_values_per_channel(const std::vector<StatsPart>& parts, int64_t total, bool masked,
+                              const std::string& layer) {
+  if (total > 1 || (total == 0 && !masked)) return;
   std::vector<std::vector<int64_t>> shapes;
   for (const auto& part : parts) shapes.push_back(part.sizes);
+  if (masked) raise_failed_check("check_valid_positions", total, layer, shapes);
   raise_failed_check("check_values_per_channel", total, layer, shapes);
 }
 
@@ -158,15 +161,18 @@ Normalization merge_replicas(std::vector<StatsPart>& parts, const MasterCall& ca
   std::vector<at::Tensor> means, m2s;
   std::vector<double> counts;
   int64_t total = 0;
+  bool masked = false;
   for (auto& part : parts) {
-    const int64_t count = part.sizes[1] ? c10::multiply_integers(part.sizes) / part.sizes[1] : 0;
+    masked = masked || part.count >= 0;
+    const int64_t values = part.sizes[1] ? c10::multiply_integers(part.sizes) / part.sizes[1] : 0;
+    const int64_t count = part.count >= 0 ? part.count : values;
     auto [mean, m2] = fetch_pair(part.mean, part.m2, device, part.ready);
     means.push_back(mean);
     m2s.push_back(m2);
     counts.push_back(double(count));
     total += count;
   }
-  if (!ranks) check_values_per_channel(parts, total, call.layer);  // else the ranks' checks, over all of them
+  if (!ranks) check_values_per_channel(parts, total, masked, call.layer);  // else the ranks' checks, over all of them
   const auto acc = accumulation_type(parts[0].dtype);
   const bool on_host = std::all_of(parts.begin(), parts.end(), [](const StatsPart& part) {
     return is_host_vector(part.mean) && is_host_vector(part.m2) && part.mean.scalar_type() == at::kDouble &&
@@ -191,6 +197,10 @@ Normalization merge_replicas(std::vector<StatsPart>& parts, const MasterCall& ca
       update_running_stats(call.running_mean, call.running_var, call.num_batches_tracked, call.momentum, mean, var,
                            total);
     }
+  }
+  if (ranks && masked) {  // no valid position on any rank (one is the ranks' own check)
+    const auto global = ranks.count_at_once();
+    if (global && *global == 0) check_values_per_channel(parts, 0, masked, call.layer);
   }
   // other replicas read these on their streams (behind the constructor's event); the only one on its own
   return Normalization(mean.to(acc), (var + call.eps).rsqrt().to(acc), total, /*shared=*/parts.size() > 1);

@@ -79,6 +79,11 @@ struct Operators {
                                const OptTensor&, double, c10::string_view, double, const OptTensor&, const OptTensor&,
                                c10::SymInt);
   c10::TypedOperatorHandle<AbnElemtInPlace> abn_backward_elemt_ = op<AbnElemtInPlace>("syncbn::abn_backward_elemt_");
+  using MaskedStats = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&);
+  c10::TypedOperatorHandle<MaskedStats> masked_local_stats = op<MaskedStats>("syncbn::masked_local_stats");
+  using MaskedElemt = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const OptTensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+  c10::TypedOperatorHandle<MaskedElemt> masked_backward_elemt = op<MaskedElemt>("syncbn::masked_backward_elemt");
 };
 
 const Operators& ops();
@@ -99,6 +104,7 @@ struct StatsPart {
   Ready ready;
   at::ScalarType dtype;
   std::vector<int64_t> sizes;
+  int64_t count = -1;  // a mask's valid positions (-1: no mask, every value counts)
 };
 
 // What every replica normalizes with, on the master's device. Made only from finished tensors:
@@ -237,9 +243,11 @@ struct Meeting {
 using CallResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t>;
 
 // The calls (src/sync_batch_norm.cpp); `given`: a checkpoint's recomputation's normalization.
+// `mask`: bool (N, *spatial), the statistics over its valid positions (functions/masking.py).
 CallResult sync_batch_norm(const Meeting& meeting, const at::Tensor& input, const OptTensor& weight,
                            const OptTensor& bias, const MasterCall& master_call, const OptTensor& residual,
-                           std::optional<double> negative_slope, const std::optional<Normalization>& given);
+                           std::optional<double> negative_slope, const std::optional<Normalization>& given,
+                           const OptTensor& mask);
 CallResult inplace_abn(const Meeting& meeting, const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
                        const MasterCall& master_call, const std::string& activation, double activation_param,
                        const std::optional<Normalization>& given);

@@ -86,6 +86,11 @@ class Ranks {
     return pybind11::int_(sync_ ? count_ : process);
   }
 
+  // The global count of the forward that merged, where the checks read it at once (else none).
+  std::optional<int64_t> count_at_once() const {
+    return reads_at_once_ && count_ >= 0 ? std::optional<int64_t>(count_) : std::nullopt;
+  }
+
   // The count that a checkpoint's first run returned (count()), for its recomputation's backward:
   // an int, returned, or the device total (then 1: the sums are divided by it).
   int64_t take_count(pybind11::handle count) {

@@ -109,19 +109,19 @@ struct MeetingBackward : public torch::autograd::Node {
 
 struct SyncBatchNormBackward : public MeetingBackward<SyncBatchNormBackward> {
   std::optional<double> negative_slope;
-  torch::autograd::SavedVariable x, weight, bias, residual, mean, invstd;
+  torch::autograd::SavedVariable x, weight, bias, residual, mean, invstd, mask;
 
   std::string name() const override { return "SyncBatchNormBackward"; }
 
   void release_variables() override {
-    for (auto* saved : {&x, &weight, &bias, &residual, &mean, &invstd}) saved->reset_data();
+    for (auto* saved : {&x, &weight, &bias, &residual, &mean, &invstd, &mask}) saved->reset_data();
   }
 
   torch::autograd::variable_list backward(const torch::autograd::variable_list& grads) {
     // unpacked with autograd on: an unpack hook may recompute a checkpointed region, which must
     // record its graph (torch.utils.checkpoint with use_reentrant=False)
     const auto input = x.unpack(), mean_ = mean.unpack(), invstd_ = invstd.unpack();
-    const auto weight_ = weight.unpack(), bias_ = bias.unpack(), residual_ = residual.unpack();
+    const auto weight_ = weight.unpack(), bias_ = bias.unpack(), residual_ = residual.unpack(), mask_ = mask.unpack();
     check_not_capturing(input.device(), layer);
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto dy = (grads[0].defined() ? grads[0] : at::zeros_like(input)).contiguous(memory_format_of(input));
@@ -135,7 +135,10 @@ struct SyncBatchNormBackward : public MeetingBackward<SyncBatchNormBackward> {
     }
     const auto [sums, total] = totals(sum_dy, sum_dy_xmu, input.device());
     torch::autograd::variable_list result(4);
-    if (task_should_compute_output(0)) {
+    if (task_should_compute_output(0) && mask_.defined()) {  // the correction at valid positions only
+      result[0] = ops().masked_backward_elemt.call(dy, input, mean_, invstd_, optional(weight_),
+                                                   sums.sum_dy / double(total), sums.sum_dy_xmu / double(total), mask_);
+    } else if (task_should_compute_output(0)) {
       result[0] = ops().backward_elemt.call(dy, input, mean_, invstd_, optional(weight_), sums.sum_dy, sums.sum_dy_xmu,
                                             c10::SymInt(total));
     }
@@ -204,13 +207,20 @@ void check_no_forward_grads(const std::string& layer, std::initializer_list<at::
 // This replica's normalization of `x`: the given one (a checkpoint's recomputation: met
 // already), else its statistics met with every replica's (and rank's), on its own device.
 Normalization normalization_of(const Meeting& meeting, const at::Tensor& x, const MasterCall& master_call,
-                               const std::optional<Normalization>& given) {
+                               const std::optional<Normalization>& given, const OptTensor& mask = std::nullopt) {
   if (given) return *given;
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const auto [mean, m2] = ops().local_stats.call(x);
+  at::Tensor mean, m2, valid;
+  int64_t count = -1;
+  if (mask) {  // the merge weighs parts by their counts, read here (a host read on a GPU)
+    std::tie(mean, m2, valid) = ops().masked_local_stats.call(x, *mask);
+    count = int64_t(valid.item<double>());
+  } else {
+    std::tie(mean, m2) = ops().local_stats.call(x);
+  }
   const auto stream = current_stream(x.device());
   const auto ready = meeting.round ? mark_ready(stream) : nullptr;  // the master reads it
-  StatsPart part{mean, m2, ready, x.scalar_type(), x.sizes().vec()};
+  StatsPart part{mean, m2, ready, x.scalar_type(), x.sizes().vec(), count};
   const auto& ranks = meeting.ranks;
   const std::function<std::vector<Normalization>(std::vector<StatsPart>&)> combine =
       [&master_call, &ranks](std::vector<StatsPart>& parts) {
@@ -231,12 +241,13 @@ Normalization normalization_of(const Meeting& meeting, const at::Tensor& x, cons
 // invstd and its process's count (which a checkpoint's recomputation reuses as `given`).
 CallResult sync_batch_norm(const Meeting& meeting, const at::Tensor& input, const OptTensor& weight,
                            const OptTensor& bias, const MasterCall& master_call, const OptTensor& residual,
-                           std::optional<double> negative_slope, const std::optional<Normalization>& given) {
+                           std::optional<double> negative_slope, const std::optional<Normalization>& given,
+                           const OptTensor& mask) {
   return as_replica(meeting.round.get(), meeting.index, [&] {
     const auto w = undefined_if_none(weight), b = undefined_if_none(bias), z = undefined_if_none(residual);
     check_no_forward_grads(master_call.layer, {input, w, b, z});
     const at::Tensor x = input.contiguous(memory_format_of(input));
-    const auto normalization = normalization_of(meeting, x, master_call, given);
+    const auto normalization = normalization_of(meeting, x, master_call, given, mask);
     at::Tensor y;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -255,6 +266,7 @@ CallResult sync_batch_norm(const Meeting& meeting, const at::Tensor& input, cons
       node->residual = torch::autograd::SavedVariable(z, false);
       node->mean = torch::autograd::SavedVariable(normalization.mean, false);
       node->invstd = torch::autograd::SavedVariable(normalization.invstd, false);
+      node->mask = torch::autograd::SavedVariable(undefined_if_none(mask), false);
       torch::autograd::set_history(y, node);
     }
     return std::make_tuple(y, normalization.mean, normalization.invstd, normalization.count);

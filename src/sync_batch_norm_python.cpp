@@ -100,16 +100,16 @@ void bind_sync_batch_norm(pybind11::module_& m) {
          const OptTensor& weight, const OptTensor& bias, const OptTensor& running_mean, const OptTensor& running_var,
          const OptTensor& num_batches_tracked, std::optional<double> momentum, double eps, const OptTensor& residual,
          std::optional<double> negative_slope, const std::string& layer, const py::object& sync,
-         const py::object& given) {
+         const py::object& given, const OptTensor& mask) {
         const MasterCall master{running_mean, running_var, num_batches_tracked, momentum, eps, layer};
         return run_call(round, index, call, sync, given, [&](const Meeting& meeting, const auto& normalization) {
-          return sync_batch_norm(meeting, input, weight, bias, master, residual, negative_slope, normalization);
+          return sync_batch_norm(meeting, input, weight, bias, master, residual, negative_slope, normalization, mask);
         });
       },
       py::arg("round").none(true), py::arg("index"), py::arg("call"), py::arg("input"), py::arg("weight"),
       py::arg("bias"), py::arg("running_mean"), py::arg("running_var"), py::arg("num_batches_tracked"),
       py::arg("momentum"), py::arg("eps"), py::arg("residual"), py::arg("negative_slope"), py::arg("layer"),
-      py::arg("sync"), py::arg("given"),
+      py::arg("sync"), py::arg("given"), py::arg("mask") = py::none(),
       "One replica's call of a synchronized layer: (y, mean, invstd, count) (see src/sync_batch_norm.cpp)");
   m.def(
       "inplace_abn",

@@ -26,6 +26,7 @@ FIT = '''
 """Fit a conv-BN net in float64 under Lightning: `python fit.py OUT` runs a two-rank DDP fit with
 the plug-in (Lightning's launcher runs this file again for rank 1) and saves each rank's results;
 `reference()` is the same fit in one process, unconverted, on the full batches."""
+import os
 import sys
 
 import lightning.pytorch as L
@@ -109,9 +110,12 @@ if __name__ == "__main__":
     trainer.fit(model)
     torch.save({**model.seen, "after": batch_norm_types(model.net), "state": state(model.net)},
                f"{sys.argv[1]}/rank{trainer.global_rank}.pt")
-    # Lightning leaves the group up: a Gloo group alive at interpreter exit can abort the process.
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    # Gloo's threads can abort the interpreter's teardown ("terminate called without an active
+    # exception"): once every rank has saved, the group goes and the process skips the teardown
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
 '''
 
 OURS, TORCHS = "syncbn.modules.batchnorm.SyncBatchNorm2d", "torch.nn.modules.batchnorm.BatchNorm2d"

@@ -99,12 +99,13 @@ class Synchronizer:
 
     def batch_norm(
         self, input: Tensor, weight: Tensor | None, bias: Tensor | None, running: stats.Running, eps: float,
-        residual: Tensor | None, negative_slope: float | None,
+        residual: Tensor | None, negative_slope: float | None, mask: Tensor | None = None,
     ) -> Tensor:
         """This replica's call of :func:`syncbn.functions.sync_batchnorm.sync_batch_norm`'s math with the
         statistics over every replica and rank (or :attr:`given`), and a backward that meets
-        again: ``running`` is (running_mean, running_var, num_batches_tracked, momentum)."""
-        return self._run("sync_batch_norm", input, weight, bias, *running, eps, residual, negative_slope)
+        again: ``running`` is (running_mean, running_var, num_batches_tracked, momentum); ``mask``
+        (bool ``(N, *spatial)``, or None) limits the statistics to its valid positions."""
+        return self._run("sync_batch_norm", input, weight, bias, *running, eps, residual, negative_slope, mask=mask)
 
     def inplace_abn(
         self, x: Tensor, weight: Tensor | None, bias: Tensor | None, running: stats.Running, eps: float,
@@ -114,7 +115,7 @@ class Synchronizer:
         over every replica and rank (or :attr:`given`), and a backward that meets again."""
         return self._run("inplace_abn", x, weight, bias, *running, eps, activation, activation_param)
 
-    def _run(self, name: str, input: Tensor, *arguments: Any) -> Tensor:
+    def _run(self, name: str, input: Tensor, *arguments: Any, **options: Any) -> Tensor:
         """The native call ``name`` (``src/sync_batch_norm.cpp``) for this replica: it computes its
         statistics, meets, normalizes its own input and records the node whose backward meets
         again; this keeps its (mean, invstd) in :attr:`normalization` and the count in
@@ -128,7 +129,7 @@ class Synchronizer:
             y, mean, invstd, self.count = native_call(
                 round, 0 if call is None else call.index,
                 0 if call is None else call.number, input, *arguments, self.layer,
-                None if self.process_call is None else self, self.given,
+                None if self.process_call is None else self, self.given, **options,
             )
         except ReplicaSyncError as error:
             cause = None if call is None else call.round.failure_cause

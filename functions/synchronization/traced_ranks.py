@@ -36,46 +36,52 @@ from .distributed import DTYPE, FAILED, HEADER_SIZE, layer_key, stats_header
 from ..operators.reference import STATS_DTYPE, accumulation_dtype, in_dtype, memory_format_of, values_per_channel
 from ..stats import Running
 
-def _rank_row(x: Tensor, layer: str) -> Tensor:
+def _rank_row(x: Tensor, layer: str, mask: Tensor | None = None) -> Tensor:
     """This rank's row, as the eager path's (:func:`syncbn.functions.synchronization.distributed.stats_header`), at call
-    number 0 (a Python counter would recompile every step)."""
-    mean, m2 = OVERLOADS.local_stats(x)
-    header = stats_header(layer_key(layer), 0, x.dtype, False, x.shape, values_per_channel(x))
-    return torch.cat([torch.tensor(header, dtype=STATS_DTYPE, device=x.device), mean, m2])
+    number 0 (a Python counter would recompile every step); with a ``mask``, its valid count."""
+    if mask is None:
+        mean, m2 = OVERLOADS.local_stats(x)
+        header = stats_header(layer_key(layer), 0, x.dtype, False, x.shape, values_per_channel(x))
+        return torch.cat([torch.tensor(header, dtype=STATS_DTYPE, device=x.device), mean, m2])
+    mean, m2, count = OVERLOADS.masked_local_stats(x, mask)
+    header = stats_header(layer_key(layer), 0, x.dtype, False, x.shape, 0)[:-1]
+    return torch.cat([torch.tensor(header, dtype=STATS_DTYPE, device=x.device), count.view(1), mean, m2])
 
 
-def _gathered_stats(x: Tensor, group, layer: str, running: Running) -> tuple[Tensor, Tensor, Tensor]:
+def _gathered_stats(
+    x: Tensor, group, layer: str, running: Running, mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Every rank's row through one all_gather, checked on the device and merged, and the
     ``running`` statistics (running_mean, running_var, num_batches_tracked, momentum) updated
     where the checks pass: (total count (0-dim), mean, biased variance), float64."""
-    row = _rank_row(x, layer)
+    row = _rank_row(x, layer, mask)
     world = dist.get_world_size(group)
     rows = torch_internals.functional_collectives().all_gather_tensor(row, 0, group).view(world, row.numel())
     with torch.no_grad():
         total, mean, var, valid = OVERLOADS.merge_gathered_stats(rows, HEADER_SIZE, DTYPE + 1, FAILED, *running)
     torch_internals.assert_on_device(
-        valid,
+        valid if mask is None else valid & (total > 0),
         f"{layer}: the ranks disagree on the layer or its dtype, or the whole batch holds one value "
-        "per channel (checked on the device under torch.compile)",
+        "per channel (or its mask one valid position, or none; checked on the device under torch.compile)",
     )
     return total, mean, var
 
 
 class TracedSyncFunction(Function):
     """The normalization and its backward with the all_reduce of the sums (see the module
-    docstring). ``apply(x, weight, bias, residual, mean, invstd, total, group, negative_slope)``
+    docstring). ``apply(x, weight, bias, residual, mean, invstd, total, group, negative_slope, mask)``
     returns y; mean and invstd (accumulation dtype) and ``total`` (the device count) are not
-    differentiable."""
+    differentiable; ``mask`` (or None) puts the correction at its valid positions only."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, mean, invstd, total, group, negative_slope):  # type: ignore[override]
-        ctx.save_for_backward(x, weight, bias, residual, mean, invstd, total)
+    def forward(ctx, x, weight, bias, residual, mean, invstd, total, group, negative_slope, mask):  # type: ignore[override]
+        ctx.save_for_backward(x, weight, bias, residual, mean, invstd, total, mask)
         ctx.group, ctx.negative_slope = group, negative_slope
         return OVERLOADS.elemt_forward(x, mean, invstd, weight, bias, residual, negative_slope)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):  # type: ignore[override]
-        x, weight, bias, residual, mean, invstd, total = ctx.saved_tensors
+        x, weight, bias, residual, mean, invstd, total, mask = ctx.saved_tensors
         dy = grad_output.contiguous(memory_format=memory_format_of(x))
         if ctx.negative_slope is None and residual is None:
             g = dy
@@ -87,11 +93,14 @@ class TracedSyncFunction(Function):
         sums = torch_internals.functional_collectives().all_reduce(torch.cat([sum_dy, sum_dy_xmu]), "sum", ctx.group)
         total_dy, total_dy_xmu = sums.split(x.size(1))
         total_dy, total_dy_xmu, count = reference.sums_per_value(total_dy, total_dy_xmu, total)
-        grad_input = OVERLOADS.backward_elemt(g, x, mean, invstd, weight, total_dy, total_dy_xmu, count)
+        if mask is None:
+            grad_input = OVERLOADS.backward_elemt(g, x, mean, invstd, weight, total_dy, total_dy_xmu, count)
+        else:
+            grad_input = OVERLOADS.masked_backward_elemt(g, x, mean, invstd, weight, total_dy, total_dy_xmu, mask)
         grad_weight = None if weight is None else in_dtype(sum_dy_xmu * invstd, weight.dtype)
         grad_bias = None if bias is None else in_dtype(sum_dy, bias.dtype)
         grad_residual = None if residual is None else g
-        return grad_input, grad_weight, grad_bias, grad_residual, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, grad_residual, None, None, None, None, None, None
 
 
 def traced_sync_batch_norm(
@@ -108,14 +117,16 @@ def traced_sync_batch_norm(
     layer: str,
     residual: Tensor | None = None,
     negative_slope: float | None = None,
+    mask: Tensor | None = None,
 ) -> Tensor:
     """:func:`syncbn.functions.sync_batch_norm` over the ranks of ``group`` (no replicas in the
-    process), in ops that torch.compile traces, collectives included. Same arguments and results."""
+    process), in ops that torch.compile traces, collectives included. Same arguments and results
+    (``mask``: bool ``(N, *spatial)``, :func:`syncbn.functions.masking.positions_mask`'s)."""
     x = input.contiguous(memory_format=memory_format_of(input))
     running = (running_mean, running_var, num_batches_tracked, momentum)
-    total, mean, var = _gathered_stats(x.detach(), group, layer, running)  # the Function's backward covers them
+    total, mean, var = _gathered_stats(x.detach(), group, layer, running, mask)  # the Function's backward covers them
     mean_acc, invstd = reference.normalization(mean, var, eps, accumulation_dtype(x.dtype))
-    return TracedSyncFunction.apply(x, weight, bias, residual, mean_acc, invstd, total, group, negative_slope)
+    return TracedSyncFunction.apply(x, weight, bias, residual, mean_acc, invstd, total, group, negative_slope, mask)
 
 
 class TracedInPlaceABNFunction(Function):
