@@ -47,6 +47,7 @@ def operator_calls(x: torch.Tensor) -> list[tuple[str, tuple]]:
     heads = torch.tensor([[7.0, 2.0, 0.0, 3.0], [7.0, 2.0, 0.0, 0.0], [7.0, 2.0, 1.0, 4.0]], dtype=torch.float64)
     parts = torch.rand(3, 2 * C, generator=generator, dtype=torch.float64) * heads[:, 3:]
     rows = torch.cat([heads, parts], dim=1).to(device)
+    mask = (torch.rand(x.size(0), *x.shape[2:], generator=generator) > 0.3).to(device)  # True: a valid position
     return [
         ("local_stats", (x,)),
         ("merge_stats", (torch.tensor([3.0, 0.0, 4.0], device=device), torch.randn(3, C, dtype=torch.float64, device=device), channel().expand(3, C).contiguous().double())),
@@ -67,6 +68,9 @@ def operator_calls(x: torch.Tensor) -> list[tuple[str, tuple]]:
         ("unpack_row", (torch.arange(2.0 * C, dtype=torch.float64, device=device), 0, dtype)),
         ("batch_norm_train", (x, weight, bias, *stats(), 0.1, 1e-5)),
         ("batch_norm_train", (x, None, None, None, None, None, None, 1e-5, like_x(), 0.0)),
+        ("masked_local_stats", (x, mask)),
+        ("masked_backward_elemt", (like_x(), x, mean, invstd, weight, channel(), channel(), mask)),
+        ("masked_backward_elemt", (like_x(), x, mean, invstd, None, channel(), channel(), mask)),
         ("abn_forward_", (like_x(), mean, invstd, -weight, bias, 1e-5, "leaky_relu", 0.01)),
         ("abn_forward_", (like_x(), mean, invstd, None, None, 1e-5, "elu", 1.0)),
         ("abn_backward_reduce", (like_x().clamp(min=-0.45), like_x(), weight, bias, 1e-5, "elu", 0.5)),  # y > -alpha
