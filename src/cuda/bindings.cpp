@@ -11,8 +11,11 @@
 namespace {
 void set_kernels(bool on) {
   static std::unique_ptr<torch::Library> library;
-  syncbn::switch_kernels(library, c10::DispatchKey::CUDA, on,
-                         [](torch::Library& m) { SYNCBN_IMPL_KERNELS(m, syncbn::cuda) });
+  syncbn::switch_kernels(library, c10::DispatchKey::CUDA, on, [](torch::Library& m) {
+    SYNCBN_IMPL_KERNELS(m, syncbn::cuda)
+    m.impl("masked_local_stats", TORCH_FN(syncbn::cuda::masked_local_stats));
+    m.impl("masked_backward_elemt", TORCH_FN(syncbn::cuda::masked_backward_elemt));
+  });
 }
 }  // namespace
 
