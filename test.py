@@ -31,7 +31,11 @@ The cases (``--cases``):
   activated batch norms (``InPlaceABN``) by ``modules.nn.convert_inplace_abn``;
 * ``checkpoint``: the ``2d`` network, its first conv, batch norm and ReLU under
   ``torch.utils.checkpoint`` (non-reentrant) in ours only: their forward runs again in backward,
-  and the running statistics and num_batches_tracked must still be those of one forward.
+  and the running statistics and num_batches_tracked must still be those of one forward;
+* ``masked``: the ``2d`` network over padded images, every batch norm called with ``mask=`` (the
+  statistics of the valid positions; the last sample all padding, so the last replica or rank
+  holds none): the reference is ``nn.BatchNorm2d`` taking those statistics in torch ops on the
+  full batch.
 
 In each case the first batch norm uses momentum 0.1 and the last one momentum None (the
 cumulative average, which depends on num_batches_tracked); batch norm weights and biases start
@@ -52,7 +56,7 @@ Options:
                     float32 models under torch.autocast, so the batch norm layers see half
                     inputs with float32 weights and running stats, as in mixed precision training
   --channels-last   2d and 3d models and inputs in channels_last / channels_last_3d
-  --cases C [C ...] subset of 1d 2d 3d inplace (default: all)
+  --cases C [C ...] subset of 1d 2d 3d inplace checkpoint masked (default: all)
   --seed N          seed of the models, inputs and upstream gradients (default 0)
   --lr LR           SGD learning rate (default 0.01)
   --distributed N   N local processes under DDP (Gloo, CPU) instead of replicas in threads
@@ -72,13 +76,15 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.checkpoint import checkpoint
 
 from syncbn.functions import backend_info
 from testkit.local_group import run_local_group
 from syncbn import nn as NN
 from syncbn.modules.parallel import ThreadedDataParallel
 from testkit.lockstep import train_side_by_side
+from testkit.networks import (
+    MaskedNet, build_1d, build_2d, build_3d, build_inplace, checkpointed, in_place, masked_ours, padded_images_mask,
+)
 
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPES = {"float64": torch.float64, "float32": torch.float32, **HALF_DTYPES}
@@ -93,77 +99,8 @@ class Case:
     channels_last: torch.memory_format | None  # the layout --channels-last asks for, if any
     convert: Callable[[nn.Module], nn.Module] = NN.convert_sync_batchnorm
     """How the reference's copy becomes ours."""
-
-
-def build_1d() -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(8, 12, bias=False),
-        nn.BatchNorm1d(12),
-        nn.ReLU(),
-        nn.Unflatten(1, (4, 3)),
-        nn.Conv1d(4, 5, kernel_size=2, bias=False),
-        nn.BatchNorm1d(5, momentum=None),
-    )
-
-
-def build_conv(conv: type[nn.Module], batch_norm: type[nn.Module], channels: int) -> nn.Module:
-    """Conv, BN, ReLU, conv, BN of the given dimensionality."""
-    return nn.Sequential(
-        conv(channels, 6, kernel_size=3, padding=1, bias=False),
-        batch_norm(6),
-        nn.ReLU(),
-        conv(6, 4, kernel_size=3, bias=False),
-        batch_norm(4, momentum=None),
-    )
-
-
-def build_2d() -> nn.Module:
-    return build_conv(nn.Conv2d, nn.BatchNorm2d, channels=3)
-
-
-def build_3d() -> nn.Module:
-    return build_conv(nn.Conv3d, nn.BatchNorm3d, channels=2)
-
-
-def build_inplace() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(3, 6, kernel_size=3, padding=1, bias=False),
-        nn.BatchNorm2d(6),
-        nn.LeakyReLU(0.1),
-        nn.Conv2d(6, 4, kernel_size=3, bias=False),
-        nn.BatchNorm2d(4, momentum=None),
-        nn.ELU(0.7),
-    )
-
-
-def in_place(model: nn.Module) -> nn.Module:
-    """Every batch norm -> activation pair an in-place layer (the reference's weights are at
-    least 0.5, so that |weight| + eps can equal them)."""
-    done = NN.convert_inplace_abn(model)
-    if done.left_alone:
-        raise RuntimeError(f"convert_inplace_abn left pairs alone: {done.left_alone}")
-    return done.module
-
-
-class CheckpointedSequential(nn.Sequential):
-    """``nn.Sequential`` (same layers, same names) whose first ``k`` layers run under
-    ``torch.utils.checkpoint`` (non-reentrant): their forward runs again in backward."""
-
-    def __init__(self, layers: nn.Sequential, k: int) -> None:
-        super().__init__(*layers)
-        self.k = k
-
-    def forward(self, x: Tensor) -> Tensor:
-        layers = list(self)
-        x = checkpoint(nn.Sequential(*layers[: self.k]), x, use_reentrant=False)
-        for layer in layers[self.k :]:
-            x = layer(x)
-        return x
-
-
-def checkpointed(model: nn.Module) -> nn.Module:
-    """Ours, its first conv, batch norm and ReLU recomputed in backward by checkpoint."""
-    return CheckpointedSequential(NN.convert_sync_batchnorm(model), 3)
+    masked: bool = False
+    """Whether the network takes a mask of padded images as its second input."""
 
 
 CASES: dict[str, Case] = {
@@ -172,6 +109,7 @@ CASES: dict[str, Case] = {
     "3d": Case(build_3d, (2, 5, 5, 5), torch.channels_last_3d),
     "inplace": Case(build_inplace, (3, 8, 8), torch.channels_last, in_place),
     "checkpoint": Case(build_2d, (3, 8, 8), torch.channels_last, checkpointed),
+    "masked": Case(MaskedNet, (3, 8, 8), torch.channels_last, masked_ours, masked=True),
 }
 
 
@@ -376,6 +314,16 @@ def make_input(case: Case, config: Config, step: int) -> Tensor:
     return x
 
 
+def make_inputs(case: Case, config: Config, step: int) -> list[Tensor]:
+    """The step's inputs: x, and for a masked case the mask of padded images (the last sample's
+    all padding)."""
+    if not case.masked:
+        return [make_input(case, config, step)]
+    generator = torch.Generator().manual_seed(config.seed * 1000 + 700 + step)
+    mask = padded_images_mask(config.batch, case.sample_shape[-1], generator).to(config.device)
+    return [make_input(case, config, step), mask]
+
+
 def upstream_gradient(output: Tensor, config: Config, step: int) -> Tensor:
     """dL/dy of the step for the full batch's ``output``: random, the same for both models (a
     fresh generator every call)."""
@@ -420,7 +368,7 @@ def run_case(name: str, case: Case, config: Config, rows: dict[tuple[str, str, s
     steps = train_side_by_side(
         reference,
         converted,
-        lambda step: [make_input(case, config, step)],
+        lambda step: make_inputs(case, config, step),
         config.steps,
         runner=parallelize(converted, config),
         rows=rank_rows(config, rank),

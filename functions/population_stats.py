@@ -51,10 +51,15 @@ class Population:
         self.m2: Tensor | None = None  # (C,) float64
         self._lock = threading.Lock()
 
-    def add(self, x: Tensor) -> None:
-        """Merge the values of ``x`` ``(N, C, *)`` into the part (Chan's formula)."""
-        mean, m2 = OVERLOADS.local_stats(x.detach())
-        count = values_per_channel(x)
+    def add(self, x: Tensor, mask: Tensor | None = None) -> None:
+        """Merge the values of ``x`` ``(N, C, *)`` into the part (Chan's formula); with a
+        ``mask`` (bool ``(N, *spatial)``, True where valid), its valid positions only."""
+        if mask is None:
+            mean, m2 = OVERLOADS.local_stats(x.detach())
+            count = values_per_channel(x)
+        else:
+            mean, m2, valid = OVERLOADS.masked_local_stats(x.detach(), mask)
+            count = int(valid.item())  # one host read per batch: a pass over a loader, not a training step
         with self._lock:
             self.calls += 1
             if count == 0:

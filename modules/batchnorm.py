@@ -57,7 +57,9 @@ class SyncBatchNorm(_BatchNorm):
     every rank. Eval never communicates (as ``nn.SyncBatchNorm``): each replica and rank uses its
     running statistics, or without them its own batch's.
 
-    ``forward(x, z=None)``: ``z`` (shaped and typed as ``x``) is added before the activation,
+    ``forward(x, z=None, *, mask=None)``: ``mask`` (bool, True where valid) takes the batch
+    statistics over the valid positions of a padded batch only (:mod:`syncbn.functions.masking`;
+    fixed statistics ignore it); ``z`` (shaped and typed as ``x``) is added before the activation,
     ``act`` is ``activation`` (identity when None); both fused into the one elementwise pass
     of forward and of backward (the backward recomputes act's input from ``x``, ``z`` and the
     statistics). A frozen layer (``frozen=True`` or :meth:`freeze`) normalizes with its running
@@ -244,9 +246,6 @@ class SyncBatchNorm(_BatchNorm):
         if not self._uses_batch_stats():
             return self._forward_fixed_stats(input, z)
         self._check_batch_eps()
-        if mask is not None:
-            self._check_input_dim(input)
-            mask = positions_mask(mask, input, self._label())
         meeting = self._meeting()
         if meeting is None:
             return self._forward_lone(input, z, mask)
@@ -303,9 +302,7 @@ class SyncBatchNorm(_BatchNorm):
         handle: ReplicaHandle | None = getattr(self, REPLICA_ATTR)
         group = active_process_group(self.process_group, self._label) if self.training else None
         syncs_replicas = self.training and handle is not None and handle.round.size > 1
-        if not syncs_replicas and group is None:
-            return None
-        return handle if syncs_replicas else None, group
+        return (handle if syncs_replicas else None, group) if syncs_replicas or group is not None else None
 
     def _torch_batch_norm_train(self, input: Tensor) -> Tensor:
         """``nn.BatchNorm*.forward`` in training with ``momentum`` set, less the checks that
@@ -316,9 +313,8 @@ class SyncBatchNorm(_BatchNorm):
         return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, True, self.momentum, self.eps)
 
     @disable_when_compiling
-    def _forward_synced(
-        self, input: Tensor, z: Tensor | None, handle: ReplicaHandle | None, group: Any, mask: Tensor | None = None,
-    ) -> Tensor:
+    def _forward_synced(self, input: Tensor, z: Tensor | None, handle: ReplicaHandle | None, group: Any,
+                        mask: Tensor | None = None) -> Tensor:
         """Replicas (``handle``) and/or ranks (``group``) exchange statistics, eagerly:
         torch.compile breaks the graph here (:func:`~syncbn.modules.compiler.disable_when_compiling`).
         A checkpoint's recomputation takes the first run's statistics instead, where it kept them
@@ -335,7 +331,7 @@ class SyncBatchNorm(_BatchNorm):
             self._check_input(input, z)
             check_not_transformed(input, label)
             check_not_captured(input, label)
-            y = self._synced(input, z, sync, mask)
+            y = self._synced(input, z, sync, None if mask is None else positions_mask(mask, input, label))
         except BaseException as error:
             sync.fail(error)
             raise
@@ -348,6 +344,7 @@ class SyncBatchNorm(_BatchNorm):
         """Ranks alone (no replicas in the process) in traced code: the exchange as functional
         collectives (:mod:`syncbn.functions.synchronization.traced_ranks`), no graph break."""
         self._check_input(input, z)
+        mask = None if mask is None else positions_mask(mask, input, self._label())
         return self._batch_stats(traced_sync_batch_norm, input, z, mask, group=group)
 
     def _synced(self, input: Tensor, z: Tensor | None, sync: Synchronizer, mask: Tensor | None = None) -> Tensor:

@@ -8,13 +8,14 @@ in :mod:`syncbn.functions.population_stats`.
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
+from ..functions.masking import positions_mask
 from ..functions.population_stats import Merged, Population, merge_ranks, share
 from ..functions.synchronization.distributed import active_process_group
 from .parallel import ThreadedDataParallel
@@ -32,6 +33,7 @@ def update_bn(
     *,
     process_group: Any | None = None,
     progress: bool = False,
+    call: Callable[[nn.Module, Any], Any] | None = None,
 ) -> None:
     r"""Recompute every batch norm's running statistics as the exact mean and unbiased variance
     of its input over every batch of ``loader`` on every rank.
@@ -54,6 +56,11 @@ def update_bn(
     differ). Ranks may have different numbers of batches, none included; every rank of the group
     must call ``update_bn``.
 
+    - A layer called with ``mask=`` (statistics over the valid positions of a padded batch)
+      counts the valid positions only. Batches reach the model as torch's ``update_bn`` passes
+      them, except ``(x, mask)`` (a list or tuple whose second element is a bool tensor), which
+      runs ``model(x, mask=mask)``, and a dict with a ``"mask"`` key, which runs
+      ``model(**batch)``; ``call(model, batch)`` runs any other signature.
     - During the pass no layer meets other ranks or replicas: each normalizes with its own
       batch's statistics as it does in eval mode without running statistics (ours, torch's
       ``nn.BatchNorm*`` and ``nn.SyncBatchNorm`` alike), its buffers set aside, so the pass
@@ -80,6 +87,8 @@ def update_bn(
         process_group: the ranks whose batches count. Default: None: every rank of the default
             group when it is initialized with more than one rank.
         progress: show a ``tqdm`` bar over the loader (where tqdm is installed). Default: False
+        call: how a batch runs the model, ``call(model, batch)`` (its tensors moved to
+            ``device`` first). Default: None: as described above.
     """
     module, wrapper_device = _unwrap(model)
     device = wrapper_device if device is None else torch.device(device)
@@ -94,7 +103,7 @@ def update_bn(
             stack.enter_context(_training_flags(model))
             stack.enter_context(_local_batch_statistics(layers))
             stack.enter_context(_collecting(tracked, parts))
-            _run(loader, module, device, progress)
+            _run(loader, module, device, progress, call)
     except Exception:
         if group is not None:
             share(parts, group, failed=True)  # the other ranks raise instead of waiting
@@ -185,16 +194,30 @@ def _collector(part: Population) -> Any:
         x = args[0] if args else kwargs.get("input")
         # input the layer rejects (rank, channels, dtype): left for its own error
         if isinstance(x, Tensor) and x.dim() >= 2 and x.size(1) == part.channels and x.is_floating_point():
-            part.add(x)
+            mask = kwargs.get("mask")
+            part.add(x, None if mask is None else positions_mask(mask, x, f"update_bn: {type(module).__name__}"))
 
     return hook
 
 
-def _run(loader: Iterable[Any], module: nn.Module, device: torch.device | None, progress: bool) -> None:
-    """One forward per batch, as torch's update_bn calls the model."""
+def _run(loader: Iterable[Any], module: nn.Module, device: torch.device | None, progress: bool, call: Any) -> None:
+    """One forward per batch, as torch's update_bn calls the model, or with its mask (update_bn)."""
+    def on(value: Any) -> Any:  # the model's inputs only go to the device
+        return _to(value, device) if device is not None else value
+
     for batch in _with_bar(loader) if progress else loader:
-        inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
-        module(_to(inputs, device) if device is not None else inputs)
+        if call is not None:
+            call(module, on(batch))
+        elif isinstance(batch, (list, tuple)) and len(batch) > 1 and _is_mask(batch[1]):
+            module(on(batch[0]), mask=on(batch[1]))
+        elif isinstance(batch, Mapping) and "mask" in batch:
+            module(**on(batch))
+        else:
+            module(on(batch[0] if isinstance(batch, (list, tuple)) else batch))
+
+
+def _is_mask(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.dtype == torch.bool
 
 
 def _with_bar(loader: Iterable[Any]) -> Iterable[Any]:

@@ -61,8 +61,8 @@ def train_side_by_side(
     ]
     for step in range(steps):
         full = list(inputs(step))
-        ref_inputs = [x.detach().clone().requires_grad_() for x in full]
-        our_inputs = [x[rows].detach().clone().requires_grad_() for x in full]
+        ref_inputs = [_leaf(x) for x in full]
+        our_inputs = [_leaf(x[rows]) for x in full]
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
         with context():
@@ -83,11 +83,18 @@ def train_side_by_side(
             after_step()
 
 
+def _leaf(x: Tensor) -> Tensor:
+    """A copy of ``x`` outside any graph, requiring grad where it is floating (not a mask)."""
+    return x.detach().clone().requires_grad_(x.is_floating_point())
+
+
 def _io_quantities(
     step: int, y_ref: Tensor, y_ours: Tensor, ref_inputs: list[Tensor], our_inputs: list[Tensor], rows: slice
 ) -> Iterator[Quantity]:
     yield Quantity(step, "model", "output", y_ours, y_ref)
     for i, (x_ref, x_ours) in enumerate(zip(ref_inputs, our_inputs)):
+        if not x_ref.is_floating_point():
+            continue
         name = "input grad" if len(ref_inputs) == 1 else f"input {i} grad"
         yield Quantity(step, "model", name, x_ours.grad, None if x_ref.grad is None else x_ref.grad[rows])
 

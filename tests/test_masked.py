@@ -394,3 +394,59 @@ def test_two_ranks_one_all_masked(compiled: bool) -> None:
         torch.testing.assert_close(results[rank][3], ref.running_mean, **TOL)
         torch.testing.assert_close(results[rank][4], ref.running_var, **TOL)
         assert int(results[rank][5]) == 3
+
+
+class MaskedConvNet(nn.Module):
+    """A conv-BN-ReLU-conv-BN net over padded images: ``forward(x, mask)``, the mask (N, H, W)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 4, 3, padding=1), NN.BatchNorm2d(4)
+        self.conv2, self.bn2 = nn.Conv2d(4, 2, 3, padding=1), NN.BatchNorm2d(2)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        return self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x), mask=mask))), mask=mask)
+
+
+@pytest.mark.parametrize("form", ["tuple", "dict", "call"])
+def test_update_bn_takes_the_masks_from_the_loader(form: str) -> None:
+    generator = torch.Generator().manual_seed(8)
+    model = MaskedConvNet().double()
+    batches = [(torch.randn(n, 3, 5, 5, generator=generator, dtype=torch.float64), random_mask((n, 3, 5, 5), "positions", generator))
+               for n in (3, 4, 2)]
+    loader = {"tuple": batches, "dict": [{"x": x, "mask": m} for x, m in batches],
+              "call": [{"images": x, "padding": ~m} for x, m in batches]}[form]
+    call = (lambda model, batch: model(batch["images"], ~batch["padding"])) if form == "call" else None
+    NN.update_bn(loader, model, call=call)
+    # the population: every batch's valid positions, each layer's input in the pass
+    inputs: dict[str, list[Tensor]] = {"bn1": [], "bn2": []}
+    with torch.no_grad():
+        for x, mask in batches:
+            h1 = model.conv1(x)
+            inputs["bn1"].append(h1.movedim(1, -1)[mask])
+            y1, _ = reference(h1, mask, model.bn1.weight, model.bn1.bias, model.bn1.eps)  # batch statistics in the pass
+            inputs["bn2"].append(model.conv2(torch.relu(y1)).movedim(1, -1)[mask])
+    for name, parts in inputs.items():
+        values = torch.cat(parts)
+        layer = getattr(model, name)
+        torch.testing.assert_close(layer.running_mean, values.mean(0), **TOL)
+        torch.testing.assert_close(layer.running_var, values.var(0), **TOL)
+        assert int(layer.num_batches_tracked) == 3
+
+
+def test_a_replica_with_a_bad_mask_fails_the_others_at_once() -> None:
+    import time
+
+    from helpers import run_threads, stock_replicas
+    from syncbn.functions import ReplicaSyncError
+
+    layer = make_layer((4, 3, 5, 5), timeout=30)
+    x = torch.randn(8, 3, 5, 5, dtype=torch.float64)
+    masks = [torch.ones(4, 5, 5, dtype=torch.bool), torch.ones(4, 5, dtype=torch.float32)]  # replica 1's is not bool
+    replicas = stock_replicas(layer, 2)
+    start = time.monotonic()
+    with torch.no_grad():
+        errors = run_threads([lambda i=i: replicas[i](x[4 * i: 4 * i + 4], mask=masks[i]) for i in range(2)])
+    assert time.monotonic() - start < 10, "a replica waited for one that had failed"
+    assert isinstance(errors[1], TypeError) and "bool" in str(errors[1])
+    assert isinstance(errors[0], ReplicaSyncError) and "replica 1 failed" in str(errors[0])

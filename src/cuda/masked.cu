@@ -13,15 +13,36 @@
 namespace syncbn::cuda {
 namespace {
 
+// a / b for 0 <= a < 2^50 and b > 0, from b's reciprocal and one correction: a multiply, not the
+// 64-bit division subroutine, whose registers made the reductions spill
+__device__ __forceinline__ int64_t quotient(int64_t a, int64_t b, double inverse) {
+  int64_t q = int64_t(double(a) * inverse);
+  if (q * b > a) {
+    --q;
+  } else if ((q + 1) * b <= a) {
+    ++q;
+  }
+  return q;
+}
+
 // The mask (N, *spatial) as the packs of either framework meet it: a pack of V values lies in one
 // channel's run (contiguous: V consecutive positions) or one row (channels_last: one position).
 struct Positions {
   const bool* mask;
   int64_t C, S;
   bool channels_last;
+  double inverse_C, inverse_S, inverse_CS;
 
-  // the position of the pack's first value, which starts at element i
-  __device__ __forceinline__ int64_t first(int64_t i) const { return channels_last ? i / C : i / (C * S) * S + i % S; }
+  Positions(const bool* mask_, int64_t C_, int64_t S_, bool channels_last_)
+      : mask(mask_), C(C_), S(S_), channels_last(channels_last_), inverse_C(1.0 / double(C_)),
+        inverse_S(1.0 / double(S_)), inverse_CS(1.0 / (double(C_) * double(S_))) {}
+
+  // the position (n * S + s) of the pack's first value, which starts at element i
+  __device__ __forceinline__ int64_t first(int64_t i) const {
+    if (channels_last) return quotient(i, C, inverse_C);
+    const int64_t n = quotient(i, C * S, inverse_CS), in_sample = i - n * C * S;  // c * S + s
+    return n * S + in_sample - quotient(in_sample, S, inverse_S) * S;
+  }
   __device__ __forceinline__ bool valid(int64_t first, int j) const { return mask[channels_last ? first : first + j]; }
 };
 
@@ -122,7 +143,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_local_stats(const at::Tens
   const auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_cuda_masked_local_stats", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const Positions positions{m.const_data_ptr<bool>(), l.C, l.S, l.channels_last};
+    const Positions positions(m.const_data_ptr<bool>(), l.C, l.S, l.channels_last);
     const bool vectorize = can_vectorize(l, kVec<scalar_t>, {x.const_data_ptr()});
     const MaskedSumsOp<scalar_t> raw{x.const_data_ptr<scalar_t>(), positions, nullptr, first.data_ptr<double>(),
                                      second.data_ptr<double>()};
@@ -159,7 +180,7 @@ at::Tensor masked_backward_elemt(const at::Tensor& grad_output, const at::Tensor
                                              m.const_data_ptr<acc_t>(),
                                              coef.const_data_ptr<acc_t>(),
                                              l.C,
-                                             {mk.const_data_ptr<bool>(), l.C, l.S, l.channels_last}};
+                                             Positions(mk.const_data_ptr<bool>(), l.C, l.S, l.channels_last)};
     launch_elementwise<scalar_t>(op, l, can_vectorize(l, kVec<scalar_t>, {op.dy, op.x, op.dx}), stream);
   });
   return dx;
