@@ -181,7 +181,7 @@ Normalization merge_replicas(std::vector<StatsPart>& parts, const MasterCall& ca
   if (on_host && !ranks && total > 0) return merge_on_host(parts, counts, call, total, acc);
   at::Tensor mean, var;
   if (parts.size() == 1 && ranks) {
-    std::tie(mean, var) = ranks.merge(total, means[0], m2s[0], parts[0].sizes, call);
+    std::tie(mean, var) = ranks.merge(total, means[0], m2s[0], parts[0].sizes, call, masked);
   } else {
     if (total == 0) {
       mean = at::zeros_like(means[0]);
@@ -192,15 +192,16 @@ Normalization merge_replicas(std::vector<StatsPart>& parts, const MasterCall& ca
     if (ranks) {  // the process's part, as one input of the replicas' batches together
       auto sizes = parts[0].sizes;
       for (size_t i = 1; i < parts.size(); ++i) sizes[0] += parts[i].sizes[0];
-      std::tie(mean, var) = ranks.merge(total, mean, var * double(total), sizes, call);
+      std::tie(mean, var) = ranks.merge(total, mean, var * double(total), sizes, call, masked);
     } else {
       update_running_stats(call.running_mean, call.running_var, call.num_batches_tracked, call.momentum, mean, var,
                            total);
     }
   }
-  if (ranks && masked) {  // no valid position on any rank (one is the ranks' own check)
-    const auto global = ranks.count_at_once();
-    if (global && *global == 0) check_values_per_channel(parts, 0, masked, call.layer);
+  if (ranks && masked) {  // checked at once; the running statistics after the check (none valid: an error)
+    if (ranks.global_count() == 0) check_values_per_channel(parts, 0, masked, call.layer);
+    update_running_stats(call.running_mean, call.running_var, call.num_batches_tracked, call.momentum, mean, var,
+                         ranks.global_count());
   }
   // other replicas read these on their streams (behind the constructor's event); the only one on its own
   return Normalization(mean.to(acc), (var + call.eps).rsqrt().to(acc), total, /*shared=*/parts.size() > 1);

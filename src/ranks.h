@@ -86,10 +86,8 @@ class Ranks {
     return pybind11::int_(sync_ ? count_ : process);
   }
 
-  // The global count of the forward that merged, where the checks read it at once (else none).
-  std::optional<int64_t> count_at_once() const {
-    return reads_at_once_ && count_ >= 0 ? std::optional<int64_t>(count_) : std::nullopt;
-  }
+  // The global count of the forward that merged, where the checks were read at once (a masked call's).
+  int64_t global_count() const { return count_; }
 
   // The count that a checkpoint's first run returned (count()), for its recomputation's backward:
   // an int, returned, or the device total (then 1: the sums are divided by it).
@@ -104,9 +102,12 @@ class Ranks {
 
   // (mean, var) over every rank, from this process's (count, mean, M2) of an input of `sizes`:
   // one all_gather of the row [header, mean, M2], the rows merged in rank order with the running
-  // statistics' update (where they pass the checks: merge_gathered_stats).
+  // statistics' update (where they pass the checks: merge_gathered_stats). A masked call's checks
+  // are read at once and its running statistics left to the caller, which checks the global
+  // count first (a count of 0 is no error for merge_gathered_stats).
   std::tuple<at::Tensor, at::Tensor> merge(int64_t count, const at::Tensor& mean, const at::Tensor& m2,
-                                           const std::vector<int64_t>& sizes, const MasterCall& call) {
+                                           const std::vector<int64_t>& sizes, const MasterCall& call, bool masked) {
+    const bool reads_at_once = reads_at_once_ || masked;
     const auto& layout = row_layout();
     std::vector<double> head{layer_id_, number_, dtype_code_, 0.0, double(sizes.size())};
     for (int64_t d = 0; d < layout.shape_dims; ++d) head.push_back(d < int64_t(sizes.size()) ? double(sizes[d]) : 0.0);
@@ -117,10 +118,11 @@ class Ranks {
       pybind11::gil_scoped_acquire gil;
       rows = python().attr("gather_rows")(row).cast<at::Tensor>();
     }
-    auto [total, merged_mean, var, valid] =
-        ops().merge_gathered_stats.call(rows, layout.header, layout.agreeing, layout.failed, call.running_mean,
-                                        call.running_var, call.num_batches_tracked, call.momentum);
-    if (!reads_at_once_) {  // read later, from host memory, where Python queues it
+    const auto running = [masked](const OptTensor& t) { return masked ? std::nullopt : t; };
+    auto [total, merged_mean, var, valid] = ops().merge_gathered_stats.call(
+        rows, layout.header, layout.agreeing, layout.failed, running(call.running_mean), running(call.running_var),
+        running(call.num_batches_tracked), call.momentum);
+    if (!reads_at_once) {  // read later, from host memory, where Python queues it
       const auto verdict = to_host(rows.narrow(1, 0, layout.header), valid);
       pybind11::gil_scoped_acquire gil;
       python().attr("defer_gathered")(verdict.valid, verdict.values, ready_object(verdict.ready));
@@ -128,7 +130,7 @@ class Ranks {
       pybind11::gil_scoped_acquire gil;
       python().attr("judge_gathered")(valid, rows);
     }
-    if (reads_at_once_) {
+    if (reads_at_once) {
       count_ = int64_t(total.item<double>());
     } else {
       device_count_ = total;  // never read on the host: the backward divides by it on the device

@@ -9,6 +9,7 @@ against the reference operators; the errors; and that without a mask nothing cha
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -357,7 +358,15 @@ def _ranks_masked(rank: int, world: int, compiled: bool) -> list:
         y = run(x, z, mask=mask)
         y.backward(grad)
         steps.append((y.detach(), x.grad, z.grad))
-    return [steps, layer.weight.grad, layer.bias.grad, layer.running_mean, layer.running_var, layer.num_batches_tracked]
+    state = [layer.weight.grad, layer.bias.grad, layer.running_mean.clone(), layer.running_var.clone(),
+             layer.num_batches_tracked.clone()]
+    try:  # no valid position on any rank: every rank raises at the layer, nothing updated
+        run(x, z, mask=torch.zeros_like(mask))
+        raised = ""
+    except (ValueError, RuntimeError) as error:
+        raised = str(error)
+    unchanged = bool(torch.equal(layer.running_var, state[3]) and int(layer.num_batches_tracked) == 3)
+    return [steps, *state, raised, unchanged]
 
 
 def _rank_inputs() -> list[list[tuple[Tensor, ...]]]:
@@ -394,6 +403,9 @@ def test_two_ranks_one_all_masked(compiled: bool) -> None:
         torch.testing.assert_close(results[rank][3], ref.running_mean, **TOL)
         torch.testing.assert_close(results[rank][4], ref.running_var, **TOL)
         assert int(results[rank][5]) == 3
+        expected = "one valid position, or none" if compiled else "Expected more than 1 value per channel.*0 valid positions"
+        assert re.search(expected, results[rank][6]), results[rank][6]
+        assert results[rank][7]
 
 
 class MaskedConvNet(nn.Module):

@@ -57,13 +57,20 @@ def _gathered_stats(
     row = _rank_row(x, layer, mask)
     world = dist.get_world_size(group)
     rows = torch_internals.functional_collectives().all_gather_tensor(row, 0, group).view(world, row.numel())
+    # masked: the running statistics after the check (a count of 0 is no error for the merge)
+    merged = (None, None, None, running[3]) if mask is not None else running
     with torch.no_grad():
-        total, mean, var, valid = OVERLOADS.merge_gathered_stats(rows, HEADER_SIZE, DTYPE + 1, FAILED, *running)
+        total, mean, var, valid = OVERLOADS.merge_gathered_stats(rows, HEADER_SIZE, DTYPE + 1, FAILED, *merged)
+        if mask is not None:
+            valid = valid & (total > 0)
     torch_internals.assert_on_device(
-        valid if mask is None else valid & (total > 0),
+        valid,
         f"{layer}: the ranks disagree on the layer or its dtype, or the whole batch holds one value "
         "per channel (or its mask one valid position, or none; checked on the device under torch.compile)",
     )
+    if mask is not None:
+        with torch.no_grad():
+            reference.update_running_stats(*running[:3], running[3], mean, var, torch.where(valid, total, torch.nan))
     return total, mean, var
 
 
