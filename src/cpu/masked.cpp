@@ -1,8 +1,9 @@
 // Batch norm over the valid positions of a padded batch (the math: functions/operators/reference_masked.py):
-// the statistics of the valid positions in two passes (the mean, then the deviations from it with
-// the mean's rounding residue, as local_stats' reference does), and the input gradient whose
-// batch-norm correction applies at valid positions only. One byte of mask per position, shared by
-// every channel.
+// the statistics of the valid positions (channels_last: Welford over the valid rows, one pass;
+// contiguous, where a channel's valid values are no runs: two passes, the mean, then the
+// deviations from it with the mean's rounding residue, as local_stats' reference does), and the
+// input gradient whose batch-norm correction applies at valid positions only. One byte of mask
+// per position, shared by every channel.
 #include <cstring>
 #include <type_traits>
 
@@ -10,6 +11,7 @@
 #include "per_channel.h"
 #include "pieces.h"
 #include "vectors.h"
+#include "welford.h"
 
 namespace syncbn::cpu {
 namespace {
@@ -167,12 +169,42 @@ at::Tensor positions_mask(const at::Tensor& mask, const at::Tensor& x, const cha
   return mask.contiguous();
 }
 
+// Channels-last layout: Welford over the valid rows, in one pass (local_stats' accumulator, fed
+// whole positions). False where a mean is not finite: the two passes take that case.
+template <typename scalar_t>
+bool welford_over_valid_rows(const scalar_t* data, const bool* mask, const Layout& l, double* mean, double* m2) {
+  using A = AccVec<scalar_t>;
+  using acc_t = typename A::acc_t;
+  int64_t first = 0;
+  while (!mask[first]) ++first;  // there is a valid row
+  auto pivot = padded_params<acc_t>(l.C, A::kWidth);  // the first valid row's values, 0 where not finite
+  for (int64_t c = 0; c < l.C; ++c) {
+    const acc_t value = acc_t(data[first * l.C + c]);
+    pivot[c] = std::isfinite(double(value)) ? value : acc_t(0);
+  }
+  const auto moments = reduce_channels_last<Moments>(
+      l, [&] { return ChannelsLastWelford<scalar_t>(l.C, pivot.data()); },
+      [&](ChannelsLastWelford<scalar_t>& acc, int64_t offset, int64_t count) {
+        const int64_t row = offset / l.C;
+        for (int64_t r = 0; r < count; ++r) {
+          if (mask[row + r]) acc.add_row(data + offset + r * l.C);
+        }
+      });
+  for (int64_t c = 0; c < l.C; ++c) {
+    mean[c] = double(pivot[c]) + moments[c].mean;
+    m2[c] = moments[c].m2;
+    if (!std::isfinite(mean[c])) return false;
+  }
+  return true;
+}
+
 template <typename scalar_t>
 void masked_stats_kernel(const at::Tensor& x, const bool* mask, const Layout& l, double count, double* mean,
                          double* m2) {
   using A = AccVec<scalar_t>;
   using acc_t = typename A::acc_t;
   const scalar_t* data = x.const_data_ptr<scalar_t>();
+  if (l.channels_last && welford_over_valid_rows(data, mask, l, mean, m2)) return;
   auto center = padded_params<acc_t>(l.C, A::kWidth);
   const auto raw = centered_sums<scalar_t>(data, mask, l, center);
   for (int64_t c = 0; c < l.C; ++c) center[c] = acc_t(raw[c].first / count);

@@ -12,150 +12,12 @@
 #include "per_channel.h"
 #include "pieces.h"
 #include "vectors.h"
+#include "welford.h"
 
 #include <cmath>
 
 namespace syncbn::cpu {
 namespace {
-
-// Welford over one channel's values, one running (mean, M2) per vector lane; the lanes of a
-// vector have seen the same number of values. Values left over by whole vectors go to a
-// single float vector where a whole one is left (bfloat16, float16), then to a double Welford.
-template <typename scalar_t>
-class ContiguousWelford {
-  using A = AccVec<scalar_t>;
-  using acc_t = typename A::acc_t;
-  using Vec = typename A::Vec;
-
- public:
-  ContiguousWelford(const scalar_t* x, acc_t pivot) : x_(x), pivot_(pivot), pivot_vec_(pivot) {
-    mean_.fill(Vec(0));
-    m2_.fill(Vec(0));
-  }
-
-  void add(int64_t offset, int64_t length) {
-    const scalar_t* p = x_ + offset;
-    int64_t i = 0;
-    while (i + A::kWidth <= length) {  // whole vectors, in runs that end where the lanes fold
-      const int64_t run = std::min((length - i) / A::kWidth, kFoldUpdates - lane_n_[0]);
-      for (const int64_t end = i + run * A::kWidth; i < end; i += A::kWidth) {
-        const auto v = A::load(p + i);
-        for (int k = 0; k < A::kVecs; ++k) update(k, v[k]);
-      }
-      if (lane_n_[0] >= kFoldUpdates) {
-        for (int k = 0; k < A::kVecs; ++k) fold(k);
-      }
-    }
-    if constexpr (A::kVecs > 1) {
-      if (i + Vec::size() <= length) {
-        Vec v;
-        at::vec::load_to_float(p + i, v);
-        update(0, v);
-        i += Vec::size();
-      }
-    }
-    for (; i < length; ++i) {
-      const double d = double(acc_t(p[i])) - double(pivot_);
-      tail_.merge({1.0, d, 0.0});
-    }
-  }
-
-  // Moments of the values seen, shifted by the pivot.
-  Moments result() {
-    Moments total = tail_;
-    for (int k = 0; k < A::kVecs; ++k) {
-      fold(k);
-      for (int64_t lane = 0; lane < Vec::size(); ++lane) {
-        total.merge({fold_n_[k], fold_mean_[k][lane], fold_m2_[k][lane]});
-      }
-    }
-    return total;
-  }
-
- private:
-  void update(int k, const Vec& v) {
-    const Vec inv(acc_t(1) / acc_t(++lane_n_[k]));
-    const Vec d = v - pivot_vec_;
-    const Vec delta = d - mean_[k];
-    mean_[k] = at::vec::fmadd(delta, inv, mean_[k]);
-    m2_[k] = at::vec::fmadd(delta, d - mean_[k], m2_[k]);
-  }
-
-  // vector k's running lanes into its double lanes, and the running lanes back to none
-  void fold(int k) {
-    if (lane_n_[k] == 0) return;
-    std::array<acc_t, Vec::size()> means, m2s;
-    mean_[k].store(means.data());
-    m2_[k].store(m2s.data());
-    fold_moments(means.data(), m2s.data(), double(lane_n_[k]), Vec::size(), fold_n_[k], fold_mean_[k].data(),
-                 fold_m2_[k].data());
-    mean_[k] = m2_[k] = Vec(0);
-    lane_n_[k] = 0;
-  }
-
-  const scalar_t* x_;
-  acc_t pivot_;
-  Vec pivot_vec_;
-  typename A::Pack mean_, m2_;
-  std::array<int64_t, A::kVecs> lane_n_{};
-  std::array<double, A::kVecs> fold_n_{};
-  std::array<std::array<double, Vec::size()>, A::kVecs> fold_mean_{}, fold_m2_{};
-  Moments tail_;
-};
-
-// Welford over rows of a channels_last layout: one running (mean, M2) per channel, all
-// channels having seen the same rows. Arrays are padded to whole vectors.
-template <typename scalar_t>
-class ChannelsLastWelford {
-  using A = AccVec<scalar_t>;
-  using acc_t = typename A::acc_t;
-  using Vec = typename A::Vec;
-
- public:
-  ChannelsLastWelford(int64_t C, const acc_t* pivot)
-      : C_(C), pivot_(pivot), mean_(padded_params<acc_t>(C, A::kWidth)), m2_(mean_) {}
-
-  void add_row(const scalar_t* row) {
-    ++n_;
-    const Vec inv(acc_t(1) / acc_t(n_));
-    for_each_channel_vector<scalar_t>(C_, [&](int64_t c, const auto& v) { update(v, c, inv); }, row);
-    if (n_ == kFoldUpdates) fold();
-  }
-
-  void write(Moments* out) {
-    fold();
-    for (int64_t c = 0; c < C_; ++c) out[c] = {fold_n_, fold_mean_[c], fold_m2_[c]};
-  }
-
- private:
-  void update(const typename A::Pack& v, int64_t c, const Vec& inv) {
-    for (int k = 0; k < A::kVecs; ++k) {
-      const int64_t at = c + k * Vec::size();
-      const Vec d = v[k] - Vec::loadu(pivot_ + at);
-      Vec mean = Vec::loadu(mean_.data() + at);
-      const Vec delta = d - mean;
-      mean = at::vec::fmadd(delta, inv, mean);
-      at::vec::fmadd(delta, d - mean, Vec::loadu(m2_.data() + at)).store(m2_.data() + at);
-      mean.store(mean_.data() + at);
-    }
-  }
-
-  // the running moments into the double ones, and the running ones back to none
-  void fold() {
-    if (n_ == 0) return;
-    fold_moments(mean_.data(), m2_.data(), double(n_), C_, fold_n_, fold_mean_.data(), fold_m2_.data());
-    std::fill(mean_.begin(), mean_.end(), acc_t(0));
-    std::fill(m2_.begin(), m2_.end(), acc_t(0));
-    n_ = 0;
-  }
-
-  int64_t C_;
-  const acc_t* pivot_;
-  std::vector<acc_t> mean_, m2_;
-  int64_t n_ = 0;
-  double fold_n_ = 0;
-  std::vector<double> fold_mean_ = std::vector<double>(C_, 0.0), fold_m2_ = std::vector<double>(C_, 0.0);
-};
 
 // sum(g) and sum(g * (x - mean)) of one channel (or of a part of it).
 struct GradSums {
@@ -370,6 +232,69 @@ struct GradCoefficients {
   double slope;
 };
 
+// Channels-last sums of the plain backward, sum(dy) and sum(dy * (x - mean)), kBlock packs of
+// channels at a time with their sums in registers over the piece's rows (ChannelsLastGradPass
+// loads and stores them through L1 at every row). Each channel still adds its rows in order: the
+// same bits.
+template <typename scalar_t>
+class ChannelsLastSumsPass {
+  using A = AccVec<scalar_t>;
+  using acc_t = typename A::acc_t;
+  using Pack = typename A::Pack;
+  static constexpr int kBlock = 4;
+
+ public:
+  ChannelsLastSumsPass(const GradPassData<scalar_t>& d, int64_t C, const acc_t* mean)
+      : dy_(d.dy), x_(d.x), C_(C), mean_(mean), sum_dy_(padded_params<acc_t>(C, A::kWidth)), sum_dy_xmu_(sum_dy_) {}
+
+  void add_rows(int64_t offset, int64_t count) {
+    int64_t c = 0;
+    for (; c + kBlock * A::kWidth <= C_; c += kBlock * A::kWidth) block<kBlock, true>(offset, count, c);
+    for (; c + A::kWidth <= C_; c += A::kWidth) block<1, true>(offset, count, c);
+    if (c < C_) block<1, false>(offset, count, c);
+  }
+
+  void write(GradSums* out) const {
+    for (int64_t c = 0; c < C_; ++c) out[c] = {double(sum_dy_[c]), double(sum_dy_xmu_[c])};
+  }
+
+ private:
+  // channels [c, c + B * kWidth) of `count` rows from `offset`; a partial pack (B = 1) is zero-padded
+  template <int B, bool kWhole>
+  void block(int64_t offset, int64_t count, int64_t c) {
+    const int64_t width = kWhole ? A::kWidth : C_ - c;
+    std::array<Pack, B> mean, sum_dy, sum_dy_xmu;
+    for (int b = 0; b < B; ++b) {
+      mean[b] = A::load_params(mean_ + c + b * A::kWidth);
+      sum_dy[b] = A::load_params(sum_dy_.data() + c + b * A::kWidth);
+      sum_dy_xmu[b] = A::load_params(sum_dy_xmu_.data() + c + b * A::kWidth);
+    }
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t at = offset + r * C_ + c;
+      for (int b = 0; b < B; ++b) {
+        const Pack g = A::template load_n<kWhole>(dy_ + at + b * A::kWidth, width);
+        const Pack v = A::template load_n<kWhole>(x_ + at + b * A::kWidth, width);
+        for (int k = 0; k < A::kVecs; ++k) {
+          sum_dy[b][k] = sum_dy[b][k] + g[k];
+          sum_dy_xmu[b][k] = at::vec::fmadd(g[k], v[k] - mean[b][k], sum_dy_xmu[b][k]);
+        }
+      }
+    }
+    for (int b = 0; b < B; ++b) {
+      for (int k = 0; k < A::kVecs; ++k) {
+        sum_dy[b][k].store(sum_dy_.data() + c + b * A::kWidth + k * A::Vec::size());
+        sum_dy_xmu[b][k].store(sum_dy_xmu_.data() + c + b * A::kWidth + k * A::Vec::size());
+      }
+    }
+  }
+
+  const scalar_t* dy_;
+  const scalar_t* x_;
+  int64_t C_;
+  const acc_t* mean_;
+  std::vector<acc_t> sum_dy_, sum_dy_xmu_;
+};
+
 // The backward pass over every value of x (either layout); returns the per-channel sums.
 template <typename scalar_t, bool kResidual, bool kActivation>
 std::vector<GradSums> grad_pass(const Layout& l, const GradPassData<scalar_t>& d, const GradCoefficients& k) {
@@ -379,6 +304,11 @@ std::vector<GradSums> grad_pass(const Layout& l, const GradPassData<scalar_t>& d
   const auto scale = padded_params<acc_t>(k.scale, A::kWidth);
   const auto shift = padded_params<acc_t>(k.shift, A::kWidth);
   const auto slope = static_cast<acc_t>(k.slope);
+  if (l.channels_last && !kResidual && !kActivation && d.dx == nullptr && d.g == nullptr && d.sums) {
+    using Acc = ChannelsLastSumsPass<scalar_t>;
+    return reduce_channels_last<GradSums>(
+        l, [&] { return Acc(d, l.C, mean.data()); }, [](Acc& acc, int64_t offset, int64_t count) { acc.add_rows(offset, count); });
+  }
   if (l.channels_last) {
     using Acc = ChannelsLastGradPass<scalar_t, kResidual, kActivation>;
     return reduce_channels_last<GradSums>(
