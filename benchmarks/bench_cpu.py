@@ -56,7 +56,7 @@ class Case:
     dtype: torch.dtype
 
     def layout(self) -> str:
-        return "channels_last" if self.channels_last else ("NCHW" if len(self.shape) == 4 else "(N, C)")
+        return "channels_last" if self.channels_last else {4: "NCHW", 3: "(N, C, L)"}.get(len(self.shape), "(N, C)")
 
     def fields(self) -> Row:
         """The case as a row names it: its label, layout and dtype."""

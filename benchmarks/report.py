@@ -21,6 +21,7 @@ ORDER = [
     "cuda",
     "cpu_layers",
     "cpu_fused",
+    "cpu_masked",
     "lone_replica",
     "sync_overhead",
     "barrier_floor",

@@ -187,11 +187,11 @@ def count_exchanges(monkeypatch) -> list[tuple[str, int]]:
     calls: list[tuple[str, int]] = []
     run = Synchronizer._run
 
-    def counting(self, *args, **options):
+    def counting(self, *args, **tail):
         number = self.replica_call.number
         if self.given is None:
             calls.append(("forward", number))
-        y = run(self, *args, **options)
+        y = run(self, *args, **tail)
         if y.grad_fn is not None:
             y.grad_fn.register_prehook(lambda grads: calls.append(("backward", number)))
         return y

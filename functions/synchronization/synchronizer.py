@@ -105,7 +105,7 @@ class Synchronizer:
         statistics over every replica and rank (or :attr:`given`), and a backward that meets
         again: ``running`` is (running_mean, running_var, num_batches_tracked, momentum); ``mask``
         (bool ``(N, *spatial)``, or None) limits the statistics to its valid positions."""
-        return self._run("sync_batch_norm", input, weight, bias, *running, eps, residual, negative_slope, mask=mask)
+        return self._run("sync_batch_norm", input, weight, bias, *running, eps, residual, negative_slope, tail=(mask,))
 
     def inplace_abn(
         self, x: Tensor, weight: Tensor | None, bias: Tensor | None, running: stats.Running, eps: float,
@@ -115,11 +115,12 @@ class Synchronizer:
         over every replica and rank (or :attr:`given`), and a backward that meets again."""
         return self._run("inplace_abn", x, weight, bias, *running, eps, activation, activation_param)
 
-    def _run(self, name: str, input: Tensor, *arguments: Any, **options: Any) -> Tensor:
+    def _run(self, name: str, input: Tensor, *arguments: Any, tail: tuple = ()) -> Tensor:
         """The native call ``name`` (``src/sync_batch_norm.cpp``) for this replica: it computes its
         statistics, meets, normalizes its own input and records the node whose backward meets
         again; this keeps its (mean, invstd) in :attr:`normalization` and the count in
-        :attr:`count`. Raises :class:`~syncbn.functions.ReplicaSyncError` where the round broke."""
+        :attr:`count`; ``tail``: its arguments after ``given``, passed by position (no keywords to
+        parse). Raises :class:`~syncbn.functions.ReplicaSyncError` where the round broke."""
         call = self.replica_call
         round = None if call is None else call.round.native()  # raises where replicas cannot meet
         native_call = getattr(_native(self.layer), name)
@@ -129,7 +130,7 @@ class Synchronizer:
             y, mean, invstd, self.count = native_call(
                 round, 0 if call is None else call.index,
                 0 if call is None else call.number, input, *arguments, self.layer,
-                None if self.process_call is None else self, self.given, **options,
+                None if self.process_call is None else self, self.given, *tail,
             )
         except ReplicaSyncError as error:
             cause = None if call is None else call.round.failure_cause

@@ -1,9 +1,10 @@
-// Per-channel elementwise passes on CUDA, elemt_forward and backward_elemt (what they compute:
-// src/kernels.inc), each one pass over memory with its per-channel coefficients computed once per
+// Per-channel elementwise passes on CUDA, elemt_forward, backward_elemt and masked_backward_elemt
+// (what they compute: src/kernels.inc, src/cpu/batch_norm_cpu.h), each one pass over memory with its per-channel coefficients computed once per
 // call on the device (operands.cuh).
 #include "batch_norm_cuda.h"
 #include "elementwise.cuh"
 #include "operands.cuh"
+#include "positions.cuh"
 
 namespace syncbn::cuda {
 namespace {
@@ -42,7 +43,8 @@ struct ForwardOp {
   }
 };
 
-template <typename scalar_t>
+// kMasked: the correction at the mask's valid positions only (masked_backward_elemt)
+template <typename scalar_t, bool kMasked = false>
 struct BackwardElemtOp {
   using acc_t = at::opmath_type<scalar_t>;
   struct State {
@@ -55,6 +57,7 @@ struct BackwardElemtOp {
   const acc_t* mean;
   const acc_t* coef;  // (4, C): scale, shift, mean_dy, xmu_coef
   int64_t C;
+  Positions positions;  // read with kMasked only
 
   __device__ __forceinline__ State channel(int64_t c) const {
     return {mean[c], coef[c], coef[2 * C + c], coef[3 * C + c]};
@@ -64,16 +67,33 @@ struct BackwardElemtOp {
   __device__ __forceinline__ void item(int64_t i, const State* st) const {
     const auto g = load_pack<V>(dy, i);
     const auto v = load_pack<V>(x, i);
+    int64_t p = 0;
+    if constexpr (kMasked) p = positions.first(i);
     Pack<scalar_t, V> out;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const State& s = st[kPerLane ? j : 0];
       const acc_t xmu = acc_t(v.val[j]) - s.mean;
-      out.val[j] = scalar_t((acc_t(g.val[j]) - s.mean_dy - xmu * s.xmu_coef) * s.scale);
+      acc_t correction = s.mean_dy + xmu * s.xmu_coef;
+      if constexpr (kMasked) correction = positions.valid(p, j) ? correction : acc_t(0);
+      out.val[j] = scalar_t((acc_t(g.val[j]) - correction) * s.scale);
     }
     store_pack<V>(dx, i, out);
   }
 };
+
+// dx of backward_elemt (mask undefined) or masked_backward_elemt, coefficients made
+template <typename scalar_t, bool kMasked>
+void launch_backward_elemt(const Operands& o, at::Tensor& dx, const at::Tensor& m, const at::Tensor& coef,
+                           const at::Tensor& mask, cudaStream_t stream) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const auto& [x, dy, l] = std::tie(o.x, o.dy, o.l);
+  const BackwardElemtOp<scalar_t, kMasked> op{
+      dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), dx.data_ptr<scalar_t>(), m.const_data_ptr<acc_t>(),
+      coef.const_data_ptr<acc_t>(),  l.C,
+      Positions(kMasked ? mask.const_data_ptr<bool>() : nullptr, l.C, l.S, l.channels_last)};
+  launch_elementwise<scalar_t>(op, l, can_vectorize(l, kVec<scalar_t>, {op.dy, op.x, op.dx}), stream);
+}
 
 }  // namespace
 
@@ -117,10 +137,25 @@ at::Tensor backward_elemt(const at::Tensor& grad_output, const at::Tensor& input
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_cuda_backward_elemt", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto coef = coefficients<acc_t>(m, s, w, at::Tensor(), sdy, sdx, count, stream);
-    const BackwardElemtOp<scalar_t> op{dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
-                                       dx.data_ptr<scalar_t>(),        m.const_data_ptr<acc_t>(),
-                                       coef.const_data_ptr<acc_t>(),   l.C};
-    launch_elementwise<scalar_t>(op, l, can_vectorize(l, kVec<scalar_t>, {op.dy, op.x, op.dx}), stream);
+    launch_backward_elemt<scalar_t, false>(o, dx, m, coef, at::Tensor(), stream);
+  });
+  return dx;
+}
+
+at::Tensor masked_backward_elemt(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
+                                 const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
+                                 const at::Tensor& mean_dy, const at::Tensor& mean_dy_xmu, const at::Tensor& mask) {
+  const Operands o("masked_backward_elemt", input, &grad_output);
+  const auto valid = positions_mask(mask, input, "masked_backward_elemt");
+  auto dx = at::empty_like(o.x);
+  if (o.l.numel() == 0) return dx;
+  const auto m = o.channel(mean, "mean"), s = o.channel(invstd, "invstd"), w = o.channel(weight, "weight");
+  const auto mdy = o.channel(mean_dy, "mean_dy"), mdx = o.channel(mean_dy_xmu, "mean_dy_xmu");
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, o.x.scalar_type(), "syncbn_cuda_masked_backward_elemt", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto coef = coefficients<acc_t>(m, s, w, at::Tensor(), mdy, mdx, 1, stream);  // the sums are per value
+    launch_backward_elemt<scalar_t, true>(o, dx, m, coef, valid, stream);
   });
   return dx;
 }
