@@ -1,15 +1,13 @@
-"""``mask=``: batch statistics over the valid positions of a padded batch. Every case is checked
-against a float64 reference written with torch ops on the concatenated batch (the valid positions'
+"""``mask=`` on one device: batch statistics over the valid positions of a padded batch, against a
+float64 reference written with torch ops on the batch (``testkit.masking``: the valid positions'
 values gathered with the mask, their mean and biased variance, autograd for the gradients):
 outputs, input gradients, weight and bias gradients, running statistics and num_batches_tracked,
-over several steps; on one device (every layout, mask shape and dtype the kernels take), three
-uneven ThreadedDataParallel replicas with one all-masked, two Gloo ranks with one all-masked
-(eager, and compiled with fullgraph=True), compiled and exported on one device; the kernels
-against the reference operators; the errors; and that without a mask nothing changed."""
+over several steps, in every layout, mask shape and dtype the kernels take (hypothesis draws
+shapes and masks too); the kernels against the reference operators; compiled and exported;
+``update_bn`` with masks; the errors. Replicas and ranks: ``tests/test_masked_sync.py``."""
 from __future__ import annotations
 
 import copy
-import re
 
 import pytest
 import torch
@@ -18,110 +16,9 @@ from torch import Tensor, nn
 
 from syncbn import nn as NN
 from syncbn.functions.operators import reference_masked
-from syncbn.modules.parallel import ThreadedDataParallel
-from testkit.local_group import run_local_group
+from testkit.masking import CL2, CL3, TOL, Reference, make_layer, random_mask, reference, step_both
 
-TOL = dict(atol=1e-10, rtol=1e-10)
-CL2, CL3 = torch.channels_last, torch.channels_last_3d
 OPS = torch.ops.syncbn
-
-
-def reference(x: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, eps: float, z: Tensor | None = None,
-              relu: bool = False) -> tuple[Tensor, Tensor]:
-    """(y, the valid values (V, C)): the statistics of x's valid positions (mask (N, *spatial)),
-    every position normalized, in torch ops that autograd differentiates."""
-    values = x.movedim(1, -1)[mask]
-    mean, var = values.mean(0), values.var(0, unbiased=False)
-    shape = (1, -1) + (1,) * (x.dim() - 2)
-    y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + eps) * weight.view(shape) + bias.view(shape)
-    y = y if z is None else y + z
-    return (torch.relu(y) if relu else y), values.detach()
-
-
-def full_mask(mask: Tensor, x: Tensor) -> Tensor:
-    """A mask as the layers take it ((N,), (N, 1, *spatial), ...) as (N, *spatial)."""
-    positions = (x.size(0), *x.shape[2:])
-    if mask.dim() == x.dim():
-        mask = mask.squeeze(1)
-    return mask.reshape(mask.shape + (1,) * (len(positions) - mask.dim())).expand(positions)
-
-
-class Reference:
-    """nn.BatchNorm*'s state, stepped by :func:`reference` on the whole batch."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        self.weight = layer.weight.detach().double().clone().requires_grad_()
-        self.bias = layer.bias.detach().double().clone().requires_grad_()
-        self.running_mean = layer.running_mean.double().clone()
-        self.running_var = layer.running_var.double().clone()
-        self.steps = 0
-        self.momentum, self.eps = layer.momentum, layer.eps
-
-    def __call__(self, x: Tensor, mask: Tensor, z: Tensor | None = None, relu: bool = False) -> Tensor:
-        y, values = reference(x, full_mask(mask, x), self.weight, self.bias, self.eps, z, relu)
-        self.steps += 1
-        factor = self.momentum if self.momentum is not None else 1 / self.steps
-        self.running_mean.mul_(1 - factor).add_(factor * values.mean(0))
-        self.running_var.mul_(1 - factor).add_(factor * values.var(0))
-        return y
-
-
-def step_both(run, layer: nn.Module, ref: Reference, x: Tensor, mask: Tensor, tol: dict, z: Tensor | None = None) -> None:
-    """One training step of ``run(x, mask, z)`` (our layer, however it runs) and the reference,
-    compared: output, input and residual gradients, weight and bias gradients, running
-    statistics and num_batches_tracked."""
-    xs = x.detach().clone().requires_grad_()
-    xr = x.detach().double().requires_grad_()
-    zs = None if z is None else z.detach().clone().requires_grad_()
-    zr = None if z is None else z.detach().double().requires_grad_()
-    y = run(xs, mask, zs)
-    yr = ref(xr, mask, zr, relu=layer.activation == "relu")
-    grad = torch.randn(y.shape, dtype=torch.float64)
-    y.backward(grad.to(y.dtype))
-    yr.backward(grad)
-    torch.testing.assert_close(y.double(), yr, **tol)
-    torch.testing.assert_close(xs.grad.double(), xr.grad, **tol)
-    if z is not None:
-        torch.testing.assert_close(zs.grad.double(), zr.grad, **tol)
-    torch.testing.assert_close(layer.weight.grad.double(), ref.weight.grad, **tol)
-    torch.testing.assert_close(layer.bias.grad.double(), ref.bias.grad, **tol)
-    torch.testing.assert_close(layer.running_mean.double(), ref.running_mean, **tol)
-    torch.testing.assert_close(layer.running_var.double(), ref.running_var, **tol)
-    assert int(layer.num_batches_tracked) == ref.steps
-    layer.weight.grad = layer.bias.grad = ref.weight.grad = ref.bias.grad = None
-    assert y.is_contiguous(memory_format=_format_of(x))
-
-
-def _format_of(x: Tensor) -> torch.memory_format:
-    for memory_format in (CL2, CL3):
-        if x.dim() == (4 if memory_format is CL2 else 5) and x.is_contiguous(memory_format=memory_format) and not x.is_contiguous():
-            return memory_format
-    return torch.contiguous_format
-
-
-def make_layer(shape: tuple[int, ...], dtype: torch.dtype = torch.float64, **kwargs) -> nn.Module:
-    layer = {2: NN.BatchNorm1d, 3: NN.BatchNorm1d, 4: NN.BatchNorm2d, 5: NN.BatchNorm3d}[len(shape)](shape[1], **kwargs)
-    with torch.no_grad():
-        layer.weight.uniform_(0.5, 1.5), layer.bias.uniform_(-0.5, 0.5)
-    return layer.to(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype)
-
-
-def random_mask(shape: tuple[int, ...], kind: str, generator: torch.Generator) -> Tensor:
-    """A mask of ``kind``: 'positions' (N, *spatial), 'channel' (N, 1, *spatial), 'samples' (N,),
-    'lengths' (N, T) padding after each sample's length; at least two valid positions."""
-    n, spatial = shape[0], shape[2:]
-    if kind == "samples":
-        mask = torch.rand(n, generator=generator) > 0.4
-    elif kind == "lengths":
-        lengths = torch.randint(0, spatial[-1] + 1, (n,), generator=generator)
-        mask = torch.arange(spatial[-1]) < lengths[:, None]
-    else:
-        mask = torch.rand(n, *spatial, generator=generator) > 0.45
-        mask = mask.unsqueeze(1) if kind == "channel" else mask
-    flat = mask.view(-1)
-    flat[:2] = True
-    return mask
-
 
 CASES = [  # shape, memory format, mask kind
     ((6, 4), torch.contiguous_format, "samples"),
@@ -242,23 +139,6 @@ def test_abn_takes_the_mask_with_its_activation() -> None:
     torch.testing.assert_close(abn(x, mask=mask), torch.nn.functional.leaky_relu(plain(x, mask=mask), 0.1), **TOL)
 
 
-@pytest.mark.parametrize("memory_format", [torch.contiguous_format, CL2], ids=str)
-def test_three_uneven_replicas_one_all_masked(memory_format) -> None:
-    generator = torch.Generator().manual_seed(4)
-    shape = (10, 3, 4, 5)  # chunks of 4, 4 and 2
-    layer = make_layer(shape, activation="relu")
-    ref = Reference(layer)
-    model = ThreadedDataParallel(layer, ["cpu"] * 3)
-    for _ in range(3):
-        x, z = (torch.randn(shape, generator=generator, dtype=torch.float64).contiguous(memory_format=memory_format)
-                for _ in range(2))
-        mask = random_mask(shape, "positions", generator)
-        mask[8:] = False  # the third replica holds padding only
-        step_both(lambda x, m, z: model(x, z, mask=m), layer, ref, x, mask, TOL, z)
-    with pytest.raises(ValueError, match=r"more than 1 value per channel.*0 valid positions"):
-        model(x, mask=torch.zeros(10, 4, 5, dtype=torch.bool))
-
-
 def test_kernels_against_the_reference_operators() -> None:
     generator = torch.Generator().manual_seed(5)
     for shape, memory_format in [((4, 5, 6, 7), torch.contiguous_format), ((4, 19, 6, 7), CL2), ((3, 2, 3, 4, 5), CL3),
@@ -341,73 +221,6 @@ def test_compiled_checks_the_valid_count_on_the_device() -> None:
     torch._dynamo.reset()
 
 
-# --- two Gloo ranks ------------------------------------------------------------------------------
-
-SIZES = (4, 2)  # rank 1: all padding at every step
-
-
-def _ranks_masked(rank: int, world: int, compiled: bool) -> list:
-    """Three steps of a layer synchronized over the two ranks (rank 1's mask all False), eager or
-    compiled with fullgraph=True: per step (y, x.grad, z.grad) and at the end the layer's state."""
-    torch.manual_seed(0)
-    layer = make_layer((1, 3, 1, 1), activation="relu")
-    run = torch.compile(layer, fullgraph=True, dynamic=False, backend="aot_eager") if compiled else layer
-    steps = []
-    for x, z, mask, grad in _rank_inputs()[rank]:
-        x, z = x.requires_grad_(), z.requires_grad_()
-        y = run(x, z, mask=mask)
-        y.backward(grad)
-        steps.append((y.detach(), x.grad, z.grad))
-    state = [layer.weight.grad, layer.bias.grad, layer.running_mean.clone(), layer.running_var.clone(),
-             layer.num_batches_tracked.clone()]
-    try:  # no valid position on any rank: every rank raises at the layer, nothing updated
-        run(x, z, mask=torch.zeros_like(mask))
-        raised = ""
-    except (ValueError, RuntimeError) as error:
-        raised = str(error)
-    unchanged = bool(torch.equal(layer.running_var, state[3]) and int(layer.num_batches_tracked) == 3)
-    return [steps, *state, raised, unchanged]
-
-
-def _rank_inputs() -> list[list[tuple[Tensor, ...]]]:
-    """Every step's (x, z, mask, grad) per rank, the same in every process."""
-    generator = torch.Generator().manual_seed(7)
-    per_rank: list[list[tuple[Tensor, ...]]] = [[], []]
-    for _ in range(3):
-        for rank, n in enumerate(SIZES):
-            x, z, grad = (torch.randn(n, 3, 4, 4, generator=generator, dtype=torch.float64) for _ in range(3))
-            mask = torch.rand(n, 4, 4, generator=generator) > 0.4
-            mask.view(-1)[:2] = rank == 0
-            per_rank[rank].append((x, z, mask if rank == 0 else torch.zeros_like(mask), grad))
-    return per_rank
-
-
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_two_ranks_one_all_masked(compiled: bool) -> None:
-    results = run_local_group(_ranks_masked, 2, compiled)
-    torch.manual_seed(0)
-    layer = make_layer((1, 3, 1, 1), activation="relu")
-    ref = Reference(layer)
-    inputs = _rank_inputs()
-    for step in range(3):
-        x, z, mask, grad = (torch.cat(parts) for parts in zip(inputs[0][step], inputs[1][step]))
-        xr, zr = x.clone().requires_grad_(), z.clone().requires_grad_()
-        yr = ref(xr, mask, zr, relu=True)
-        yr.backward(grad)
-        for name, index, expected in (("y", 0, yr.detach()), ("x.grad", 1, xr.grad), ("z.grad", 2, zr.grad)):
-            got = torch.cat([results[rank][0][step][index] for rank in range(2)])
-            torch.testing.assert_close(got, expected, **TOL, msg=lambda m: f"step {step} {name}: {m}")
-    torch.testing.assert_close(results[0][1] + results[1][1], ref.weight.grad, **TOL)  # each rank's own sums
-    torch.testing.assert_close(results[0][2] + results[1][2], ref.bias.grad, **TOL)
-    for rank in range(2):
-        torch.testing.assert_close(results[rank][3], ref.running_mean, **TOL)
-        torch.testing.assert_close(results[rank][4], ref.running_var, **TOL)
-        assert int(results[rank][5]) == 3
-        expected = "one valid position, or none" if compiled else "Expected more than 1 value per channel.*0 valid positions"
-        assert re.search(expected, results[rank][6]), results[rank][6]
-        assert results[rank][7]
-
-
 class MaskedConvNet(nn.Module):
     """A conv-BN-ReLU-conv-BN net over padded images: ``forward(x, mask)``, the mask (N, H, W)."""
 
@@ -444,21 +257,3 @@ def test_update_bn_takes_the_masks_from_the_loader(form: str) -> None:
         torch.testing.assert_close(layer.running_mean, values.mean(0), **TOL)
         torch.testing.assert_close(layer.running_var, values.var(0), **TOL)
         assert int(layer.num_batches_tracked) == 3
-
-
-def test_a_replica_with_a_bad_mask_fails_the_others_at_once() -> None:
-    import time
-
-    from helpers import run_threads, stock_replicas
-    from syncbn.functions import ReplicaSyncError
-
-    layer = make_layer((4, 3, 5, 5), timeout=30)
-    x = torch.randn(8, 3, 5, 5, dtype=torch.float64)
-    masks = [torch.ones(4, 5, 5, dtype=torch.bool), torch.ones(4, 5, dtype=torch.float32)]  # replica 1's is not bool
-    replicas = stock_replicas(layer, 2)
-    start = time.monotonic()
-    with torch.no_grad():
-        errors = run_threads([lambda i=i: replicas[i](x[4 * i: 4 * i + 4], mask=masks[i]) for i in range(2)])
-    assert time.monotonic() - start < 10, "a replica waited for one that had failed"
-    assert isinstance(errors[1], TypeError) and "bool" in str(errors[1])
-    assert isinstance(errors[0], ReplicaSyncError) and "replica 1 failed" in str(errors[0])
