@@ -139,7 +139,10 @@ def test_abn_takes_the_mask_with_its_activation() -> None:
     torch.testing.assert_close(abn(x, mask=mask), torch.nn.functional.leaky_relu(plain(x, mask=mask), 0.1), **TOL)
 
 
-def test_kernels_against_the_reference_operators() -> None:
+@pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
+def test_kernels_against_the_reference_operators(device: str) -> None:
+    """Whatever serves the masked operators on ``device`` (compiled kernels, or the reference)
+    against the reference on the CPU in float64."""
     generator = torch.Generator().manual_seed(5)
     for shape, memory_format in [((4, 5, 6, 7), torch.contiguous_format), ((4, 19, 6, 7), CL2), ((3, 2, 3, 4, 5), CL3),
                                  ((9, 33), torch.contiguous_format), ((3, 4, 37), torch.contiguous_format)]:
@@ -147,16 +150,16 @@ def test_kernels_against_the_reference_operators() -> None:
             x = (torch.randn(shape, generator=generator) * 3 + 5).to(dtype).contiguous(memory_format=memory_format)
             mask = torch.rand(shape[0], *shape[2:], generator=generator) > 0.4
             exact = reference_masked.masked_local_stats(x.double(), mask)
-            got = OPS.masked_local_stats(x, mask)
+            got = OPS.masked_local_stats(x.to(device), mask.to(device))
             tol = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-5)
             for ours, truth in zip(got, exact):
-                torch.testing.assert_close(ours, truth, **tol)
+                torch.testing.assert_close(ours.cpu(), truth, **tol)
             acc = torch.float64 if dtype == torch.float64 else torch.float32
             per_channel = [torch.rand(shape[1], generator=generator, dtype=torch.float64).to(acc) + 0.5 for _ in range(5)]
             mean, invstd, weight, mean_dy, mean_dy_xmu = per_channel
             dy = torch.randn(shape, generator=generator).to(dtype).contiguous(memory_format=memory_format)
             args = (dy, x, mean, invstd, weight.to(dtype), mean_dy, mean_dy_xmu, mask)
-            dx = OPS.masked_backward_elemt(*args)
+            dx = OPS.masked_backward_elemt(*(a.to(device) for a in args)).cpu()
             expected = reference_masked.masked_backward_elemt(*args)
             assert dx.is_contiguous(memory_format=memory_format) or x.dim() < 4
             tol = TOL if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)

@@ -114,3 +114,45 @@ def test_two_ranks_one_all_masked(compiled: bool) -> None:
         expected = "one valid position, or none" if compiled else "Expected more than 1 value per channel.*0 valid positions"
         assert re.search(expected, results[rank][6]), results[rank][6]
         assert results[rank][7]
+
+
+class CheckpointedBlock(torch.nn.Module):
+    """conv + our fused batch norm, under torch.utils.checkpoint (non-reentrant) where ``recompute``,
+    then our batch norm: each called with the mask."""
+
+    def __init__(self, recompute: bool) -> None:
+        super().__init__()
+        self.recompute = recompute
+        self.conv, self.bn = torch.nn.Conv2d(3, 4, 3, padding=1), make_layer((1, 4, 1, 1), activation="relu")
+        self.bn2 = make_layer((1, 4, 1, 1))
+
+    def block(self, x: Tensor, mask: Tensor) -> Tensor:
+        return self.bn(self.conv(x), mask=mask)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.block, x, mask, use_reentrant=False) if self.recompute else self.block(x, mask)
+        return self.bn2(h, mask=mask)
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_a_checkpointed_masked_layer_reuses_its_statistics(replicas: int) -> None:
+    generator = torch.Generator().manual_seed(9)
+    plain, recomputed = CheckpointedBlock(False).double(), CheckpointedBlock(True).double()
+    recomputed.load_state_dict(plain.state_dict())
+    runs = [ThreadedDataParallel(m, ["cpu"] * replicas) if replicas > 1 else m for m in (plain, recomputed)]
+    for _ in range(2):
+        x = torch.randn(7, 3, 5, 5, generator=generator, dtype=torch.float64)
+        mask = random_mask((7, 3, 5, 5), "positions", generator)
+        mask[5:] = False  # the last replica holds padding only
+        grad = torch.randn(7, 4, 5, 5, generator=generator, dtype=torch.float64)
+        xs = [x.clone().requires_grad_() for _ in runs]
+        ys = [run(xi, mask) for run, xi in zip(runs, xs)]
+        for y in ys:
+            y.backward(grad)
+        assert torch.equal(ys[0], ys[1]) and torch.equal(xs[0].grad, xs[1].grad)
+        for a, b in zip(plain.state_dict().values(), recomputed.state_dict().values()):
+            assert torch.equal(a, b)  # running statistics and num_batches_tracked counted once
+        assert torch.equal(plain.conv.weight.grad, recomputed.conv.weight.grad)
+        plain.zero_grad(), recomputed.zero_grad()

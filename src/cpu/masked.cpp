@@ -1,13 +1,14 @@
-// Batch norm over the valid positions of a padded batch (the math: functions/operators/reference_masked.py):
-// the statistics of the valid positions (channels_last: Welford over the valid rows, one pass;
-// contiguous, where a channel's valid values are no runs: two passes, the mean, then the
-// deviations from it with the mean's rounding residue, as local_stats' reference does), and the
-// input gradient whose batch-norm correction applies at valid positions only. One byte of mask
-// per position, shared by every channel.
+// The statistics of the valid positions of a padded batch (the math:
+// functions/operators/reference_masked.py): channels_last, Welford over the valid rows, one pass;
+// contiguous, where a channel's valid values are no runs, two passes: the mean, then the
+// deviations from it with the mean's rounding residue, as local_stats' reference does. The masked
+// input gradient is backward_elemt's pass with a mask (elementwise.cpp). One byte of mask per
+// position, shared by every channel.
 #include <cstring>
 #include <type_traits>
 
 #include "batch_norm_cpu.h"
+#include "map_per_channel.h"
 #include "per_channel.h"
 #include "pieces.h"
 #include "vectors.h"
@@ -24,33 +25,6 @@ struct CenteredSums {
     second += other.second;
   }
 };
-
-// The mask as one acc_t per position: every bit set where valid (a blendv selector), 0 elsewhere.
-template <typename acc_t>
-std::vector<acc_t> selectors(const bool* mask, int64_t positions) {
-  using Bits = std::conditional_t<sizeof(acc_t) == 8, uint64_t, uint32_t>;
-  const Bits ones = ~Bits(0);
-  acc_t on;
-  std::memcpy(&on, &ones, sizeof(on));
-  std::vector<acc_t> out(positions);
-  for (int64_t i = 0; i < positions; ++i) out[i] = mask[i] ? on : acc_t(0);
-  return out;
-}
-
-// kWidth selectors at `select` (kWhole), or the first `count` < kWidth and zeros.
-template <typename A, bool kWhole>
-typename A::Pack load_selectors(const typename A::acc_t* select, int64_t count) {
-  typename A::Pack out;
-  for (int k = 0; k < A::kVecs; ++k) {
-    const int64_t at = k * A::Vec::size();
-    if constexpr (kWhole) {
-      out[k] = A::Vec::loadu(select + at);
-    } else {
-      out[k] = A::Vec::loadu(select + at, std::clamp<int64_t>(count - at, 0, A::Vec::size()));
-    }
-  }
-  return out;
-}
 
 // The position (sample n, spatial s) of the contiguous layout's value at `offset`: n * S + s.
 inline int64_t position_of(const Layout& l, int64_t offset) { return offset / (l.C * l.S) * l.S + offset % l.S; }
@@ -158,7 +132,9 @@ std::vector<CenteredSums> centered_sums(const scalar_t* x, const bool* mask, con
       l, lanes, [&](int64_t c) { return ContiguousMaskedSums<scalar_t>(x, select.data(), l, center[c]); });
 }
 
-// mask as the kernels read it: bool, on the CPU, one value per position of x's layout l.
+}  // namespace
+
+// mask as the kernels read it: bool, on the CPU, one value per position of x (batch_norm_cpu.h).
 at::Tensor positions_mask(const at::Tensor& mask, const at::Tensor& x, const char* op) {
   TORCH_CHECK(mask.scalar_type() == at::kBool && mask.device().is_cpu(), "syncbn.", op,
               ": expected a bool CPU mask, got ", mask.scalar_type(), " on ", mask.device());
@@ -168,6 +144,8 @@ at::Tensor positions_mask(const at::Tensor& mask, const at::Tensor& x, const cha
               " (the input's without its channels), got ", mask.sizes());
   return mask.contiguous();
 }
+
+namespace {
 
 // Channels-last layout: Welford over the valid rows, in one pass (local_stats' accumulator, fed
 // whole positions). False where a mean is not finite: the two passes take that case.
@@ -217,71 +195,6 @@ void masked_stats_kernel(const at::Tensor& x, const bool* mask, const Layout& l,
   }
 }
 
-// dx over every value of either layout; coefficients: mean, mean_dy, invstd^2 * mean_dy_xmu, scale.
-template <typename scalar_t>
-void masked_backward_elemt_kernel(const at::Tensor& dy, const at::Tensor& x, const bool* mask, const Layout& l,
-                                  at::Tensor& dx, const std::array<std::vector<double>, 4>& coefficients) {
-  using A = AccVec<scalar_t>;
-  using acc_t = typename A::acc_t;
-  using Vec = typename A::Vec;
-  using Pack = typename A::Pack;
-  std::array<std::vector<acc_t>, 4> k;
-  for (size_t j = 0; j < 4; ++j) k[j] = padded_params<acc_t>(coefficients[j], A::kWidth);
-  const scalar_t* pdy = dy.const_data_ptr<scalar_t>();
-  const scalar_t* px = x.const_data_ptr<scalar_t>();
-  scalar_t* pdx = dx.data_ptr<scalar_t>();
-  // kWidth values (kWhole) or `count` at `offset`, the coefficients as packs, valid where `select`
-  const auto apply = [&](auto whole, int64_t offset, int64_t count, const std::array<Pack, 4>& p, const Pack& select) {
-    constexpr bool kWhole = decltype(whole)::value;
-    const Pack g = A::template load_n<kWhole>(pdy + offset, count), v = A::template load_n<kWhole>(px + offset, count);
-    Pack out;
-    for (int j = 0; j < A::kVecs; ++j) {
-      const Vec correction = at::vec::fmadd(v[j] - p[0][j], p[2][j], p[1][j]);
-      out[j] = (g[j] - Vec::blendv(Vec(0), correction, select[j])) * p[3][j];
-    }
-    A::template store_n<kWhole>(pdx + offset, out, count);
-  };
-  if (l.channels_last) {
-    const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(l.C, 1));
-    const Pack none = A::broadcast(0);
-    const Pack on = [] {
-      Pack s;
-      for (int j = 0; j < A::kVecs; ++j) s[j] = Vec(1) == Vec(1);  // every bit set
-      return s;
-    }();
-    at::parallel_for(0, l.rows(), grain, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const Pack& select = mask[r] ? on : none;
-        for (int64_t c = 0; c < l.C; c += A::kWidth) {
-          std::array<Pack, 4> p;
-          for (size_t j = 0; j < 4; ++j) p[j] = A::load_params(k[j].data() + c);
-          if (c + A::kWidth <= l.C) {
-            apply(std::true_type{}, r * l.C + c, A::kWidth, p, select);
-          } else {
-            apply(std::false_type{}, r * l.C + c, l.C - c, p, select);
-          }
-        }
-      }
-    });
-    return;
-  }
-  const auto select = selectors<acc_t>(mask, l.rows());
-  at::parallel_for(0, l.numel(), kGrainElements, [&](int64_t begin, int64_t end) {
-    while (begin < end) {
-      const int64_t row = begin / l.S, length = std::min(l.S - begin % l.S, end - begin);
-      std::array<Pack, 4> p;
-      for (size_t j = 0; j < 4; ++j) p[j] = A::broadcast(k[j][row % l.C]);
-      const acc_t* m = select.data() + position_of(l, begin);
-      int64_t i = 0;
-      for (; i + A::kWidth <= length; i += A::kWidth) {
-        apply(std::true_type{}, begin + i, A::kWidth, p, load_selectors<A, true>(m + i, A::kWidth));
-      }
-      if (i < length) apply(std::false_type{}, begin + i, length - i, p, load_selectors<A, false>(m + i, length - i));
-      begin += length;
-    }
-  });
-}
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_local_stats(const at::Tensor& input, const at::Tensor& mask) {
@@ -299,29 +212,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_local_stats(const at::Tens
     });
   }
   return {mean, m2, at::scalar_tensor(double(count), mean.options())};
-}
-
-at::Tensor masked_backward_elemt(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
-                                 const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
-                                 const at::Tensor& mean_dy, const at::Tensor& mean_dy_xmu, const at::Tensor& mask) {
-  check_input(input, "masked_backward_elemt");
-  TORCH_CHECK(grad_output.scalar_type() == input.scalar_type(), "syncbn.masked_backward_elemt: grad_output is ",
-              grad_output.scalar_type(), " but the input is ", input.scalar_type());
-  const auto [x, l] = as_layout(input);
-  const auto dy = like_layout(grad_output, x, "grad_output");
-  const auto m = positions_mask(mask, input, "masked_backward_elemt");
-  auto dx = at::empty_like(x);
-  if (l.numel() == 0) return dx;
-  const auto invstd_d = per_channel_doubles(invstd, l.C, 1.0);
-  auto coef = per_channel_doubles(mean_dy_xmu, l.C, 0.0);
-  for (int64_t c = 0; c < l.C; ++c) coef[c] *= invstd_d[c] * invstd_d[c];
-  const std::array<std::vector<double>, 4> coefficients{per_channel_doubles(mean, l.C, 0.0),
-                                                        per_channel_doubles(mean_dy, l.C, 0.0), coef,
-                                                        affine_coefficients(mean, invstd, weight, std::nullopt, l.C).first};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "syncbn_masked_backward_elemt", [&] {
-    masked_backward_elemt_kernel<scalar_t>(dy, x, m.const_data_ptr<bool>(), l, dx, coefficients);
-  });
-  return dx;
 }
 
 }  // namespace syncbn::cpu
