@@ -131,12 +131,9 @@ class ChannelsLastGradPass {
         sum_g_(padded_params<acc_t>(C, A::kWidth)),
         sum_g_xmu_(sum_g_) {}
 
-  // `count` rows from `offset` on, row by row; within a row a vector of channels at a time,
-  // its coefficients and sums loaded from (and the sums stored back to) the padded arrays, which
-  // stay in L1. Measured on AMD EPYC (AVX2), (32, 64, 56, 56) channels_last, 1 thread: the
-  // summing pass 5.7-6.7 ms when it walked a piece's 256 rows a vector of channels at a time (each
-  // cache line visited once per vector in it), 3.2-3.9 ms row by row; the writing pass was
-  // already row by row (5.2 against 7.3 ms).
+  // `count` rows from `offset` on, row by row (each cache line of the input visited once, not once
+  // per vector of channels in it); within a row a vector of channels at a time, its coefficients
+  // and sums loaded from (and the sums stored back to) the padded arrays, which stay in L1.
   void add_rows(int64_t offset, int64_t count) {
     using Step = GradStep<scalar_t, kResidual, kActivation>;
     const GradPassData<scalar_t> d = d_;  // a local copy: stores through its pointers cannot touch it
