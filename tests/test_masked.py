@@ -166,7 +166,7 @@ def test_kernels_against_the_reference_operators(device: str) -> None:
             torch.testing.assert_close(dx, expected, **tol)
 
 
-def test_padding_may_hold_inf_and_nan() -> None:
+def test_inf_and_nan_in_the_padding_leave_the_statistics_alone() -> None:
     x = torch.randn(4, 3, 6, dtype=torch.float64)
     mask = torch.ones(4, 6, dtype=torch.bool)
     mask[:, 4:] = False
