@@ -83,7 +83,8 @@ def input_grad(
     count: Tensor | int, mask: Tensor,
 ) -> Tensor:
     """dx from the whole batch's sums over every position and its valid ``count``."""
-    return OVERLOADS.masked_backward_elemt(dy, x, mean, invstd, weight, sum_dy / count, sum_dy_xmu / count, mask)
+    mean_dy, mean_dy_xmu, _ = reference.sums_per_value(sum_dy, sum_dy_xmu, count)
+    return OVERLOADS.masked_backward_elemt(dy, x, mean, invstd, weight, mean_dy, mean_dy_xmu, mask)
 
 
 def differentiable_forward(x: Tensor, mask: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:

@@ -42,7 +42,8 @@ class SyncBatchNormFunction(Function):
     layer, residual, negative_slope, mask)`` returns ``(y, mean, invstd)`` (the last two, in the
     accumulation dtype, are not differentiable); one ``batch_norm_train`` operator does the whole
     forward, or with a ``mask`` (bool ``(N, *spatial)``, :func:`syncbn.functions.masking.positions_mask`)
-    the masked one over the valid positions (:mod:`syncbn.functions.masking`). ``layer`` names the layer in errors. ``input`` is ``(N, C, *)``; weight, bias and
+    the masked one over the valid positions (:mod:`syncbn.functions.masking`). ``layer`` names
+    the layer in errors. ``input`` is ``(N, C, *)``; weight, bias and
     running stats are ``(C,)`` or None; ``residual`` is None or shaped as ``input``;
     ``negative_slope`` is None (no activation) or the activation's slope below 0 (ReLU: 0).
 

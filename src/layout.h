@@ -48,4 +48,16 @@ inline at::Tensor like_layout(const at::Tensor& other, const at::Tensor& x, cons
   return out;
 }
 
+// The mask of a padded batch as the masked kernels of every device read it: bool on x's device,
+// one value per position of x, (N, *spatial), contiguous.
+inline at::Tensor positions_mask(const at::Tensor& mask, const at::Tensor& x, const char* op) {
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.device() == x.device(), "syncbn.", op,
+              ": expected a bool mask on ", x.device(), ", got ", mask.scalar_type(), " on ", mask.device());
+  auto expected = x.sizes().vec();
+  expected.erase(expected.begin() + 1);
+  TORCH_CHECK(mask.sizes() == c10::IntArrayRef(expected), "syncbn.", op, ": expected a mask of shape ", expected,
+              " (the input's without its channels), got ", mask.sizes());
+  return mask.contiguous();
+}
+
 }  // namespace syncbn

@@ -30,13 +30,13 @@ def masked_local_stats(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]
     count = mask.sum(dtype=STATS_DTYPE)
     dims = reduction_dims(x)
     acc = accumulation_dtype(x.dtype)
+    n = count.clamp(min=1)  # no valid position: sums of zeros, divided by 1
     xs = torch.where(valid, x.to(acc), 0)
-    n = count.clamp(min=1).to(acc)
-    mean = xs.sum(dims) / n
+    mean = xs.sum(dims) / n.to(acc)
     xmu = torch.where(valid, xs - per_channel(mean, x), 0)
     residue = xmu.sum(dims).to(STATS_DTYPE)
-    m2 = xmu.square().sum(dims).to(STATS_DTYPE) - residue.square() / count.clamp(min=1)
-    mean = mean.to(STATS_DTYPE) + torch.nan_to_num(residue / count.clamp(min=1), nan=0.0, posinf=0.0, neginf=0.0)
+    m2 = xmu.square().sum(dims).to(STATS_DTYPE) - residue.square() / n
+    mean = mean.to(STATS_DTYPE) + torch.nan_to_num(residue / n, nan=0.0, posinf=0.0, neginf=0.0)
     return mean, m2, count
 
 

@@ -70,7 +70,7 @@ def _gathered_stats(
     )
     if mask is not None:
         with torch.no_grad():
-            reference.update_running_stats(*running[:3], running[3], mean, var, torch.where(valid, total, torch.nan))
+            reference.update_running_stats(*running, mean, var, torch.where(valid, total, torch.nan))
     return total, mean, var
 
 

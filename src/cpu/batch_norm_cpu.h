@@ -31,9 +31,6 @@ at::Tensor masked_backward_elemt(const at::Tensor& grad_output, const at::Tensor
                                  const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
                                  const at::Tensor& mean_dy, const at::Tensor& mean_dy_xmu, const at::Tensor& mask);
 
-// mask as the masked kernels read it: bool, on the CPU, one value per position of x (N, *spatial).
-at::Tensor positions_mask(const at::Tensor& mask, const at::Tensor& x, const char* op);
-
 // The instruction set the kernels were built for: "AVX512", "AVX2" or "DEFAULT".
 const char* capability();
 

@@ -73,84 +73,24 @@ class ContiguousMaskedSums {
   typename A::Pack first_, second_;
 };
 
-// Channels-last layout: the centered sums of every channel over the valid rows.
+// Contiguous layout: per channel, sum(x - center) and sum((x - center)^2) over the valid values
+// (`select`: the mask's selectors, map_per_channel.h).
 template <typename scalar_t>
-class ChannelsLastMaskedSums {
-  using A = AccVec<scalar_t>;
-  using acc_t = typename A::acc_t;
-  using Vec = typename A::Vec;
-
- public:
-  ChannelsLastMaskedSums(const scalar_t* x, const bool* mask, int64_t C, const acc_t* center)
-      : x_(x), mask_(mask), C_(C), center_(center), first_(padded_params<acc_t>(C, A::kWidth)), second_(first_) {}
-
-  // `count` rows from the value at `offset` (a row's first) on; invalid rows are skipped
-  void add_rows(int64_t offset, int64_t count) {
-    const int64_t row = offset / C_;
-    for (int64_t r = 0; r < count; ++r) {
-      if (!mask_[row + r]) continue;
-      for_each_channel_vector<scalar_t>(C_, [&](int64_t c, const auto& v) { update(c, v); }, x_ + offset + r * C_);
-    }
-  }
-
-  void write(CenteredSums* out) const {
-    for (int64_t c = 0; c < C_; ++c) out[c] = {double(first_[c]), double(second_[c])};
-  }
-
- private:
-  void update(int64_t c, const typename A::Pack& v) {
-    for (int k = 0; k < A::kVecs; ++k) {
-      const int64_t at = c + k * Vec::size();
-      const Vec d = v[k] - Vec::loadu(center_ + at);
-      (Vec::loadu(first_.data() + at) + d).store(first_.data() + at);
-      at::vec::fmadd(d, d, Vec::loadu(second_.data() + at)).store(second_.data() + at);
-    }
-  }
-
-  const scalar_t* x_;
-  const bool* mask_;
-  int64_t C_;
-  const acc_t* center_;
-  std::vector<acc_t> first_, second_;
-};
-
-// Per channel, sum(x - center) and sum((x - center)^2) over the valid values.
-template <typename scalar_t>
-std::vector<CenteredSums> centered_sums(const scalar_t* x, const bool* mask, const Layout& l,
+std::vector<CenteredSums> centered_sums(const scalar_t* x, const std::vector<typename AccVec<scalar_t>::acc_t>& select,
+                                        const Layout& l,
                                         const std::vector<typename AccVec<scalar_t>::acc_t>& center) {
   using A = AccVec<scalar_t>;
-  using acc_t = typename A::acc_t;
-  if (l.channels_last) {
-    using Acc = ChannelsLastMaskedSums<scalar_t>;
-    return reduce_channels_last<CenteredSums>(
-        l, [&] { return Acc(x, mask, l.C, center.data()); },
-        [](Acc& acc, int64_t offset, int64_t count) { acc.add_rows(offset, count); });
-  }
-  const auto select = selectors<acc_t>(mask, l.rows());
   const int64_t lanes = std::max<int64_t>(1, l.S / ceil_div(l.S, A::kWidth));
   return reduce_contiguous<CenteredSums>(
       l, lanes, [&](int64_t c) { return ContiguousMaskedSums<scalar_t>(x, select.data(), l, center[c]); });
 }
 
-}  // namespace
-
-// mask as the kernels read it: bool, on the CPU, one value per position of x (batch_norm_cpu.h).
-at::Tensor positions_mask(const at::Tensor& mask, const at::Tensor& x, const char* op) {
-  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.device().is_cpu(), "syncbn.", op,
-              ": expected a bool CPU mask, got ", mask.scalar_type(), " on ", mask.device());
-  auto expected = x.sizes().vec();
-  expected.erase(expected.begin() + 1);
-  TORCH_CHECK(mask.sizes() == c10::IntArrayRef(expected), "syncbn.", op, ": expected a mask of shape ", expected,
-              " (the input's without its channels), got ", mask.sizes());
-  return mask.contiguous();
-}
-
-namespace {
 
 // Channels-last layout: Welford over the valid rows, in one pass (local_stats' accumulator, fed
-// whole positions). False where a mean is not finite: the two passes take that case.
+// whole positions); a mean it cannot carry (inf or nan in the channel) is the plain sum's.
 template <typename scalar_t>
-bool welford_over_valid_rows(const scalar_t* data, const bool* mask, const Layout& l, double* mean, double* m2) {
+void welford_over_valid_rows(const scalar_t* data, const bool* mask, const Layout& l, double count, double* mean,
+                             double* m2) {
   using A = AccVec<scalar_t>;
   using acc_t = typename A::acc_t;
   int64_t first = 0;
@@ -162,31 +102,36 @@ bool welford_over_valid_rows(const scalar_t* data, const bool* mask, const Layou
   }
   const auto moments = reduce_channels_last<Moments>(
       l, [&] { return ChannelsLastWelford<scalar_t>(l.C, pivot.data()); },
-      [&](ChannelsLastWelford<scalar_t>& acc, int64_t offset, int64_t count) {
+      [&](ChannelsLastWelford<scalar_t>& acc, int64_t offset, int64_t rows) {
         const int64_t row = offset / l.C;
-        for (int64_t r = 0; r < count; ++r) {
+        for (int64_t r = 0; r < rows; ++r) {
           if (mask[row + r]) acc.add_row(data + offset + r * l.C);
         }
       });
   for (int64_t c = 0; c < l.C; ++c) {
     mean[c] = double(pivot[c]) + moments[c].mean;
+    if (!std::isfinite(mean[c])) mean[c] = plain_sum(data, l, c, mask) / count;
     m2[c] = moments[c].m2;
-    if (!std::isfinite(mean[c])) return false;
   }
-  return true;
 }
 
+// Contiguous layout: two passes, about 0 and then about the first pass's mean, whose rounding
+// residue corrects it (as local_stats' reference does).
 template <typename scalar_t>
 void masked_stats_kernel(const at::Tensor& x, const bool* mask, const Layout& l, double count, double* mean,
                          double* m2) {
   using A = AccVec<scalar_t>;
   using acc_t = typename A::acc_t;
   const scalar_t* data = x.const_data_ptr<scalar_t>();
-  if (l.channels_last && welford_over_valid_rows(data, mask, l, mean, m2)) return;
+  if (l.channels_last) {
+    welford_over_valid_rows(data, mask, l, count, mean, m2);
+    return;
+  }
+  const auto select = selectors<acc_t>(mask, l.rows());
   auto center = padded_params<acc_t>(l.C, A::kWidth);
-  const auto raw = centered_sums<scalar_t>(data, mask, l, center);
+  const auto raw = centered_sums<scalar_t>(data, select, l, center);
   for (int64_t c = 0; c < l.C; ++c) center[c] = acc_t(raw[c].first / count);
-  const auto centered = centered_sums<scalar_t>(data, mask, l, center);
+  const auto centered = centered_sums<scalar_t>(data, select, l, center);
   for (int64_t c = 0; c < l.C; ++c) {
     const double residue = centered[c].first;
     m2[c] = centered[c].second - residue * residue / count;

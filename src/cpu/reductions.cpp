@@ -20,21 +20,6 @@
 namespace syncbn::cpu {
 namespace {
 
-// A channel's plain sum: the mean of a channel holding inf or nan, where Welford's running
-// mean would turn inf into nan (torch's batch norm keeps inf).
-template <typename scalar_t>
-double plain_sum(const scalar_t* x, const Layout& l, int64_t c) {
-  double sum = 0;
-  if (l.channels_last) {
-    for (int64_t r = 0; r < l.rows(); ++r) sum += double(x[r * l.C + c]);
-  } else {
-    for_each_run(l, c, 0, l.rows(), [&](int64_t offset, int64_t length) {
-      for (int64_t i = 0; i < length; ++i) sum += double(x[offset + i]);
-    });
-  }
-  return sum;
-}
-
 template <typename scalar_t>
 void local_stats_kernel(const at::Tensor& x, const Layout& l, double* mean_out, double* m2_out) {
   using A = AccVec<scalar_t>;

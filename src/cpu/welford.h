@@ -1,6 +1,7 @@
 // Welford's running (mean, M2) over either layout, in vectors of the accumulation type, folded
 // into double every kFoldUpdates updates (src/cpu/pieces.h): the accumulators of local_stats
-// (reductions.cpp) and of the masked statistics over valid rows (masked.cpp).
+// (reductions.cpp) and of the masked statistics over valid rows (masked.cpp); and the plain sum
+// that stands in for a mean Welford cannot carry.
 #pragma once
 
 #include <array>
@@ -149,5 +150,26 @@ class ChannelsLastWelford {
   double fold_n_ = 0;
   std::vector<double> fold_mean_ = std::vector<double>(C_, 0.0), fold_m2_ = std::vector<double>(C_, 0.0);
 };
+
+// A channel's plain sum (with `valid`, a bool per position: of its valid values): the mean of a
+// channel holding inf or nan, where Welford's running mean would turn inf into nan (torch's
+// batch norm keeps inf).
+template <typename scalar_t>
+double plain_sum(const scalar_t* x, const Layout& l, int64_t c, const bool* valid = nullptr) {
+  double sum = 0;
+  if (l.channels_last) {
+    for (int64_t r = 0; r < l.rows(); ++r) {
+      if (valid == nullptr || valid[r]) sum += double(x[r * l.C + c]);
+    }
+  } else {
+    for_each_run(l, c, 0, l.rows(), [&](int64_t offset, int64_t length) {
+      const int64_t position = offset / (l.C * l.S) * l.S + offset % l.S;
+      for (int64_t i = 0; i < length; ++i) {
+        if (valid == nullptr || valid[position + i]) sum += double(x[offset + i]);
+      }
+    });
+  }
+  return sum;
+}
 
 }  // namespace syncbn::cpu

@@ -15,8 +15,7 @@ namespace syncbn::cuda {
 #include "kernels.inc"
 
 // The masked operators (src/cuda/masked.cu, src/cuda/elementwise.cu; what they compute:
-// src/cpu/batch_norm_cpu.h), and the mask as they read it: bool on x's device, (N, *spatial).
-at::Tensor positions_mask(const at::Tensor& mask, const at::Tensor& x, const char* op);
+// src/cpu/batch_norm_cpu.h).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_local_stats(const at::Tensor& input, const at::Tensor& mask);
 at::Tensor masked_backward_elemt(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
                                  const at::Tensor& invstd, const std::optional<at::Tensor>& weight,

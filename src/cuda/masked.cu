@@ -51,16 +51,6 @@ struct MaskedSumsOp {
 
 }  // namespace
 
-// mask as the kernels read it: bool on x's device, one value per position of x (src/cuda/positions.cuh).
-at::Tensor positions_mask(const at::Tensor& mask, const at::Tensor& x, const char* op) {
-  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.device() == x.device(), "syncbn.cuda.", op,
-              ": expected a bool mask on ", x.device(), ", got ", mask.scalar_type(), " on ", mask.device());
-  auto expected = x.sizes().vec();
-  expected.erase(expected.begin() + 1);
-  TORCH_CHECK(mask.sizes() == c10::IntArrayRef(expected), "syncbn.cuda.", op, ": expected a mask of shape ", expected,
-              " (the input's without its channels), got ", mask.sizes());
-  return mask.contiguous();
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_local_stats(const at::Tensor& input, const at::Tensor& mask) {
   const Operands o("masked_local_stats", input);
