@@ -21,6 +21,7 @@ from ..functions.synchronization.replica_backward import (
 )
 from ..functions.synchronization.replica_threads import ThreadState, run_in_threads
 from ..functions.synchronization.replicas import replica_rounds, replicas_in_order, resolve_timeout
+from ..functions.synchronization.synchronizer import check_not_transformed
 
 from .compiler import disable_when_compiling
 from .conversion import name_sync_layers
@@ -198,6 +199,7 @@ class ThreadedDataParallel(nn.Module):
     # worker threads, which Dynamo does not compile either
     @disable_when_compiling
     def _forward_in_threads(self, inputs: tuple, kwargs: dict) -> Any:
+        check_not_transformed(None, "ThreadedDataParallel")  # its replicas' threads run outside the transform
         cuts: Cuts = {}
         split_inputs, split_kwargs = _scatter_kwargs(inputs, kwargs, self.devices, self.dim, cuts)
         devices = self.devices[: len(split_inputs)]

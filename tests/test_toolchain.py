@@ -207,6 +207,16 @@ def test_a_transform_over_synchronized_replicas_raises_naming_the_layer(transfor
     assert int(layer.num_batches_tracked) == 0
 
 
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_a_transform_over_threaded_data_parallel_raises_naming_it(transform: str) -> None:
+    # refused before its replicas are made: their threads would run outside the transform
+    model = ThreadedDataParallel(NN.SyncBatchNorm2d(3).double(), ["cpu"] * 2)
+    with pytest.raises(RuntimeError, match=r"^ThreadedDataParallel: torch\.func transforms .*torch\.autograd"):
+        TRANSFORMS[transform](model, torch.randn(4, 3, 2, 2, dtype=torch.float64))
+    assert int(model.module.num_batches_tracked) == 0
+    model(torch.randn(4, 3, 2, 2, dtype=torch.float64)).sum().backward()  # then it runs as usual
+
+
 def _transform_across_ranks(rank: int, world: int) -> list[str]:
     layer = NN.SyncBatchNorm2d(3).double()
     x = torch.randn(2 + rank, 3, 2, 2, dtype=torch.float64)

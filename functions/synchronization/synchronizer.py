@@ -278,13 +278,15 @@ def check_not_captured(input: Tensor, layer: str, direction: str = "forward") ->
         stats.check_not_capturing(torch.cuda.is_current_stream_capturing(), layer, direction)
 
 
-def check_not_transformed(input: Tensor, layer: str) -> None:
-    """Refuse a synchronized call of ``layer`` under a torch.func transform (on this thread, or
-    one whose wrapped tensor reached a replica's thread), before any work: its meetings and
-    collectives run outside autograd and outside the transforms' interpreters."""
-    if torch_internals.functorch_transforms_active() or torch_internals.is_functorch_wrapped(input):
+def check_not_transformed(input: Tensor | None, layer: str) -> None:
+    """Refuse a synchronized call of ``layer`` (a layer, or ThreadedDataParallel's replicas) under a
+    torch.func transform (on this thread, or one whose wrapped ``input`` reached a replica's
+    thread), before any work: its meetings and collectives run outside autograd and outside the
+    transforms' interpreters."""
+    wrapped = input is not None and torch_internals.is_functorch_wrapped(input)
+    if wrapped or torch_internals.functorch_transforms_active():
         raise RuntimeError(
-            f"{layer}: torch.func transforms (grad, vjp, jvp, vmap) over a layer synchronized across replicas or "
+            f"{layer}: torch.func transforms (grad, vjp, jvp, vmap) over a call synchronized across replicas or "
             "processes are not supported; take gradients with torch.autograd (loss.backward(), "
             "torch.autograd.grad), or run the transform on one device in one process, where the layer is "
             "nn.BatchNorm*'s math (vmap with torch.func.replace_all_batch_norm_modules_)"
