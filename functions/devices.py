@@ -6,7 +6,7 @@ its stream at once). ``torch.tensor(values, device="cuda")`` copies from pageabl
 device's stream to drain: a host synchronization in the middle of the step.
 :func:`host_values_on` copies from pinned memory with ``non_blocking=True`` instead. (Statistics
 that cross the devices of one process's replicas are fenced and copied in stream order by the
-native call, behind events: ``fetch`` in src/sync_batch_norm.cpp.)
+native call, behind events: ``fetch`` in src/meeting.cpp.)
 """
 from __future__ import annotations
 

@@ -19,6 +19,8 @@ natively (:meth:`syncbn.functions.synchronization.synchronizer.Synchronizer.inpl
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 from torch.autograd.function import Function
@@ -78,25 +80,46 @@ class InPlaceABNFunction(Function):
                 "is not supported (its backward recovers the input from the output); use ABN"
             )
         y, invstd, weight, bias = ctx.saved_tensors
-        dy = grad_output.contiguous(memory_format=memory_format_of(y))
-        wants_input, wants_weight, wants_bias = ctx.needs_input_grad[:3]
-        sum_dz = sum_xhat_dz = None
-        if (wants_input and ctx.batch_stats) or wants_weight or wants_bias:
-            sum_dz, sum_xhat_dz = OVERLOADS.abn_backward_reduce(y, dy, weight, bias, *ctx.act)
-        grad_input = grad_weight = grad_bias = None
-        if wants_input:
-            totals = (sum_dz, sum_xhat_dz, values_per_channel(y)) if ctx.batch_stats else (None, None, 0)
-            operands = (invstd, weight, bias, *ctx.act, *totals)
-            if dy is not grad_output or (grad_is_ours and dy.dtype == y.dtype):  # one full-size tensor less at the peak
-                OVERLOADS.abn_backward_elemt_(dy, y, *operands)
-                grad_input = dy
-            else:
-                grad_input = OVERLOADS.abn_backward_elemt(y, dy, *operands)
-        if weight is not None and wants_weight:
-            grad_weight = in_dtype(torch.where(weight < 0, -sum_xhat_dz, sum_xhat_dz), weight.dtype)
-        if bias is not None and wants_bias:
-            grad_bias = in_dtype(sum_dz, bias.dtype)  # type: ignore[arg-type]
-        return grad_input, grad_weight, grad_bias, *([None] * 9)
+        count = values_per_channel(y) if ctx.batch_stats else None
+        grads = inplace_abn_backward(grad_output, y, invstd, weight, bias, ctx.act, count, ctx.needs_input_grad[:3],
+                                     grad_is_ours)
+        return *grads, *([None] * 9)
+
+
+def inplace_abn_backward(
+    grad_output: Tensor, y: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None,
+    act: tuple[float, str, float], count: int | Tensor | None, needs: tuple[bool, bool, bool],
+    may_overwrite: bool = False, meet: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """(grad_input, grad_weight, grad_bias) of the module docstring's backward from the output
+    ``y``, each where ``needs`` says. ``count``: the values per channel of every part (an int or a
+    0-dim device tensor), None for fixed statistics; ``meet`` sums the per-channel (sum_dz,
+    sum_xhat_dz) over the other parts (ranks), called whatever ``needs`` says, so that every rank
+    joins it; ``may_overwrite``: ``grad_output`` is this backward's alone, dx may go into it."""
+    dy = grad_output.contiguous(memory_format=memory_format_of(y))
+    batch_stats = count is not None
+    sum_dz = sum_xhat_dz = None
+    if (needs[0] and batch_stats) or needs[1] or needs[2] or meet is not None:
+        sum_dz, sum_xhat_dz = OVERLOADS.abn_backward_reduce(y, dy, weight, bias, *act)
+    totals: tuple = (None, None, 0)
+    if batch_stats:
+        total_dz, total_xhat_dz = (sum_dz, sum_xhat_dz) if meet is None else meet(sum_dz, sum_xhat_dz)
+        if isinstance(count, Tensor):  # the kernels take an int count
+            total_dz, total_xhat_dz, count = reference.sums_per_value(total_dz, total_xhat_dz, count)
+        totals = (total_dz, total_xhat_dz, count)
+    grad_input = grad_weight = grad_bias = None
+    if needs[0]:
+        operands = (invstd, weight, bias, *act, *totals)
+        if dy is not grad_output or (may_overwrite and dy.dtype == y.dtype):  # one full-size tensor less at the peak
+            OVERLOADS.abn_backward_elemt_(dy, y, *operands)
+            grad_input = dy
+        else:
+            grad_input = OVERLOADS.abn_backward_elemt(y, dy, *operands)
+    if weight is not None and needs[1]:
+        grad_weight = in_dtype(torch.where(weight < 0, -sum_xhat_dz, sum_xhat_dz), weight.dtype)
+    if bias is not None and needs[2]:
+        grad_bias = in_dtype(sum_dz, bias.dtype)  # type: ignore[arg-type]
+    return grad_input, grad_weight, grad_bias
 
 
 def _fixed_normalization(running_mean: Tensor, running_var: Tensor, eps: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -78,15 +78,6 @@ def batch_norm_train(
     return OVERLOADS.elemt_forward(x, mean, invstd, weight, bias, residual, negative_slope), mean, invstd
 
 
-def input_grad(
-    dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, sum_dy: Tensor, sum_dy_xmu: Tensor,
-    count: Tensor | int, mask: Tensor,
-) -> Tensor:
-    """dx from the whole batch's sums over every position and its valid ``count``."""
-    mean_dy, mean_dy_xmu, _ = reference.sums_per_value(sum_dy, sum_dy_xmu, count)
-    return OVERLOADS.masked_backward_elemt(dy, x, mean, invstd, weight, mean_dy, mean_dy_xmu, mask)
-
-
 def differentiable_forward(x: Tensor, mask: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
     """The masked training forward in torch's differentiable ops (what double backward
     differentiates): statistics over the valid positions, every position normalized."""

@@ -21,6 +21,8 @@ Function, as torch's and inplace_abn's are); a synchronized call runs the same m
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 from torch.autograd.function import Function
@@ -92,27 +94,44 @@ class SyncBatchNormFunction(Function):
         input, weight, bias, residual, mean, invstd, *mask = ctx.saved_tensors
         mask = mask[0] if mask else None
         x = input.contiguous(memory_format=memory_format_of(input))
-        dy = grad_output.contiguous(memory_format=memory_format_of(x))
+        count = values_per_channel(x) if mask is None else mask.sum(dtype=STATS_DTYPE)
         needs = ctx.needs_input_grad
-        if ctx.negative_slope is None:
-            sum_dy, sum_dy_xmu = OVERLOADS.backward_reduce(dy, x, mean)
-        else:  # dy through the activation (z's gradient too), and its sums, in one pass
-            _, dy, sum_dy, sum_dy_xmu = OVERLOADS.backward_affine_act(
-                dy, x, mean, invstd, weight, bias, residual, ctx.negative_slope,
-                input_grad=False, residual_grad=True, sums=True,
-            )
-        grad_input = grad_weight = grad_bias = None
-        if needs[0] and mask is not None:
-            count = mask.sum(dtype=STATS_DTYPE)
-            grad_input = masking.input_grad(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count, mask)
-        elif needs[0]:
-            grad_input = OVERLOADS.backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, values_per_channel(x))
-        if weight is not None and needs[1]:
-            grad_weight = in_dtype(sum_dy_xmu * invstd, weight.dtype)
-        if bias is not None and needs[2]:
-            grad_bias = in_dtype(sum_dy, bias.dtype)
-        grad_residual = dy if residual is not None and needs[9] else None
+        grads = batch_stats_backward(grad_output, x, mean, invstd, weight, bias, residual, ctx.negative_slope, mask,
+                                     count, (needs[0], needs[1], needs[2], needs[9]))
+        grad_input, grad_weight, grad_bias, grad_residual = grads
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, grad_residual, None, None
+
+
+def batch_stats_backward(
+    grad_output: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None,
+    residual: Tensor | None, negative_slope: float | None, mask: Tensor | None, count: int | Tensor,
+    needs: tuple[bool, bool, bool, bool], meet: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """(grad_input, grad_weight, grad_bias, grad_residual) of the module docstring's backward,
+    each where ``needs`` says. ``x`` is the input as the forward normalized it; ``count`` the values
+    (with a ``mask``, the valid positions) per channel of every part, an int or a 0-dim device
+    tensor; ``meet`` sums the per-channel (sum_dy, sum_dy_xmu) over the other parts (ranks), and
+    is called whatever ``needs`` says, so that every rank joins it; None: this input is the batch."""
+    dy = grad_output.contiguous(memory_format=memory_format_of(x))
+    if negative_slope is None:
+        sum_dy, sum_dy_xmu = OVERLOADS.backward_reduce(dy, x, mean)
+    else:  # dy through the activation (z's gradient too), and its sums, in one pass
+        _, dy, sum_dy, sum_dy_xmu = OVERLOADS.backward_affine_act(
+            dy, x, mean, invstd, weight, bias, residual, negative_slope, input_grad=False, residual_grad=True, sums=True,
+        )
+    total_dy, total_dy_xmu = (sum_dy, sum_dy_xmu) if meet is None else meet(sum_dy, sum_dy_xmu)
+    grad_input = None
+    if needs[0]:
+        if mask is not None or isinstance(count, Tensor):  # the kernels take an int count
+            total_dy, total_dy_xmu, count = reference.sums_per_value(total_dy, total_dy_xmu, count)
+        if mask is None:
+            grad_input = OVERLOADS.backward_elemt(dy, x, mean, invstd, weight, total_dy, total_dy_xmu, count)
+        else:
+            grad_input = OVERLOADS.masked_backward_elemt(dy, x, mean, invstd, weight, total_dy, total_dy_xmu, mask)
+    grad_weight = in_dtype(sum_dy_xmu * invstd, weight.dtype) if weight is not None and needs[1] else None
+    grad_bias = in_dtype(sum_dy, bias.dtype) if bias is not None and needs[2] else None
+    grad_residual = dy if residual is not None and needs[3] else None
+    return grad_input, grad_weight, grad_bias, grad_residual
 
 
 def apply_function(function: type[Function], *args):

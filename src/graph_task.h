@@ -1,13 +1,7 @@
-// The backward pass that this thread runs, and whether it has failed elsewhere. Under stock
-// nn.DataParallel on GPUs one backward pass (one autograd graph task) runs on a thread per device:
-// when a node fails on one device, the engine marks the task failed and its caller raises at
-// once, but a replica waiting at a meeting on another device's thread would wait for the failed
-// replica until its timeout. torch keeps that mark in GraphTask::has_error_ and exports no
-// accessor for it, only accessors of the current task's members; the task is found from one of
-// them (its address, less the member's offset in the struct of the headers built against).
-// The reading is checked once where it runs (graph_task_reading_holds, in a tiny backward at
-// import: functions/torch_internals.py) against the exported accessors of other members, and
-// used only where that check passed; else a waiter is freed by its timeout alone.
+// Whether the backward pass this thread runs failed on another device's thread, so that a replica
+// waiting at a meeting need not wait for its timeout. torch exports no accessor for
+// GraphTask::has_error_: the task is found from nodes_in_graph_'s address less its offset in these
+// headers, a reading used only where syncbn.functions.torch_internals checked it at import.
 #pragma once
 
 #include <torch/csrc/autograd/graph_task.h>
@@ -35,9 +29,8 @@ inline std::atomic<bool>& graph_task_reading_checked() {
   return checked;
 }
 
-// Inside a backward pass: whether the task found through nodes_in_graph_ has, at the offsets of
-// these headers, the members that torch's other accessors return (exec_info_'s address,
-// keep_graph_, id_) and no error yet.
+// Inside a backward pass: whether the task found has the members that torch's other accessors
+// return, at these headers' offsets, and no error yet.
 inline bool graph_task_reading_holds() {
   const auto* task = current_graph_task();
   return task && &task->exec_info_ == torch::autograd::get_current_graph_task_exec_info() &&

@@ -1,5 +1,5 @@
-// The native meeting's shared work (src/meeting.h): device copies in stream order, the checks of
-// the replicas' parts, the master's merges of statistics and sums, and the replicas' failures.
+// The native meeting's shared work: device copies in stream order, the checks of the replicas'
+// parts, the master's merges of statistics and sums, and the replicas' failures.
 #include "meeting.h"
 
 #include <ATen/Dispatch.h>
@@ -17,7 +17,7 @@ namespace syncbn::native {
 PyObject* replica_sync_error = PyExc_RuntimeError;
 
 const Operators& ops() {
-  static const Operators operators;  // looked up once, after functions/operators/ops.py defined them
+  static const Operators operators;  // looked up once, after syncbn.functions.operators.ops defined them
   return operators;
 }
 
@@ -36,9 +36,8 @@ Ready mark_ready(const OptStream& stream) {
   return event;
 }
 
-// `t` on `device`, usable on this thread's current stream there: copied (or, on its own device,
-// used) after `ready`, its memory kept until the stream that reads it has run (replicas on one
-// GPU may run on different streams).
+// Its memory is kept until the stream that reads it has run: replicas on one GPU may run on
+// different streams.
 at::Tensor fetch(const at::Tensor& t, const at::Device& device, const Ready& ready) {
   if (t.device() == device) {
     if (ready) {
@@ -123,9 +122,8 @@ bool capturing(const Guard* guard, const at::Device& device) {
   }
 }
 
-// merge_replicas where every part is on the host and no ranks take part: Chan's merge and the
-// normalization as two loops (merge_stats's and normalization_stats's: the same bits), not a dozen
-// ATen calls. The merge is the one serial step of a meeting: every other replica waits through it.
+// The same bits as merge_stats and normalization_stats in two loops, not a dozen ATen calls: the
+// merge is a meeting's one serial step, which every other replica waits through.
 Normalization merge_on_host(const std::vector<StatsPart>& parts, const std::vector<double>& counts,
                             const MasterCall& call, int64_t total, at::ScalarType acc) {
   const int64_t R = int64_t(parts.size()), C = parts[0].mean.numel();
@@ -143,8 +141,6 @@ Normalization merge_on_host(const std::vector<StatsPart>& parts, const std::vect
 
 }  // namespace
 
-// A synchronized backward on a CUDA stream that a graph captures: refused before any work, as the
-// forward is (functions/synchronization/synchronizer.py: check_not_captured).
 void check_not_capturing(const at::Device& device, const std::string& layer) {
   if (device.type() != c10::DeviceType::CUDA) return;
   if (capturing(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA), device)) {
@@ -152,8 +148,6 @@ void check_not_capturing(const at::Device& device, const std::string& layer) {
   }
 }
 
-// On the master: the replicas' statistics merged (Chan's formula, in replica order) and, with
-// ranks, over every rank; the running statistics updated once (src/meeting.h).
 Normalization merge_replicas(std::vector<StatsPart>& parts, const MasterCall& call, Ranks& ranks) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   check_parts_agree(parts, call.layer);
@@ -216,9 +210,7 @@ bool are_host_vectors_alike(const std::vector<at::Tensor>& ts) {
          });
 }
 
-// Host vectors summed per channel in replica order, in their dtype (the bits of stacking and
-// summing a few replicas): one loop where that takes two ATen calls (the merge is a meeting's
-// serial step).
+// The bits of stacking and summing in replica order, in one loop: the merge is a meeting's serial step.
 at::Tensor sum_on_host(const std::vector<at::Tensor>& ts) {
   auto total = at::empty_like(ts[0]);
   AT_DISPATCH_FLOATING_TYPES(total.scalar_type(), "syncbn_sum_on_host", [&] {
@@ -257,8 +249,6 @@ Sums sum_replicas(std::vector<SumsPart>& parts, const Ranks& ranks) {
   return Sums(sum_dy, sum_dy_xmu, count, /*shared=*/parts.size() > 1);
 }
 
-// Raise `message` as syncbn.functions.ReplicaSyncError from a thread without the GIL (an autograd
-// engine thread): the engine re-raises a python_error as the Python exception it holds.
 void raise_replica_sync_error(const std::string& message) {
   python_error error;
   {

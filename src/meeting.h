@@ -1,7 +1,5 @@
-// What the native synchronized calls share (src/sync_batch_norm.cpp): the operators they call,
-// the parts that replicas post to their round and what the master's merge hands back, the
-// meeting itself, and how a replica's failure breaks its round. Implemented in src/meeting.cpp;
-// the ranks' side in src/ranks.h.
+// What the native synchronized calls share: the operators, the parts replicas post and what the
+// master's merge hands back, the meeting, and how a replica's failure breaks its round.
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -107,9 +105,8 @@ struct StatsPart {
   int64_t count = -1;  // a mask's valid positions (-1: no mask, every value counts)
 };
 
-// What every replica normalizes with, on the master's device. Made only from finished tensors:
-// the event that hands them to other replicas (`shared`) is recorded in the constructor, after
-// the work that made them was queued on this thread's stream.
+// Made only once the work on mean and invstd is queued: the constructor records the event that
+// hands them to the other replicas (`shared`).
 struct Normalization {
   at::Tensor mean, invstd;  // (C,) in the accumulation dtype
   Ready ready;
@@ -147,11 +144,11 @@ template <typename... Args>
   throw std::move(error);
 }
 
-// A synchronized backward on a CUDA stream that a graph captures: refused before any work, as the
-// forward is (functions/synchronization/synchronizer.py: check_not_captured).
+// Refuses a synchronized backward on a stream that a CUDA graph captures, as
+// syncbn.functions.synchronization.synchronizer.check_not_captured does the forward.
 void check_not_capturing(const at::Device& device, const std::string& layer);
 
-// The collectives' rows (functions/synchronization/distributed.py, which sets this once: set_row_layout).
+// Set once from syncbn.functions.synchronization.distributed.row_layout.
 struct RowLayout {
   int64_t header = 0, agreeing = 0, failed = 0, shape_dims = 0, identities = 0;
 };
@@ -160,9 +157,8 @@ RowLayout& row_layout();
 
 class Ranks;
 
-// On the master: the replicas' statistics merged (Chan's formula, in replica order) and, with
-// ranks, over every rank; the running statistics updated once; mean and invstd as the
-// elementwise kernels take them.
+// On the master: the replicas' statistics merged (Chan's formula, in replica order), then over the
+// ranks; the running statistics updated once.
 Normalization merge_replicas(std::vector<StatsPart>& parts, const MasterCall& call, Ranks& ranks);
 
 // One replica's (sum_dy, sum_dy_xmu), after the work that made them.
@@ -187,10 +183,8 @@ struct Sums {
 // On the master: the replicas' sums, summed in replica order, then over the ranks.
 Sums sum_replicas(std::vector<SumsPart>& parts, const Ranks& ranks);
 
-// A meeting of this replica with the others of its process (none: it is the only one).
-// `stream`: this replica's stream on its device (none on the CPU). The replica that arrives last
-// runs the master's combine on its own thread, so each replica's combine carries its stream: the
-// master's runs on the master's stream, as if the master ran it.
+// The last to arrive runs the master's combine on its own thread, so the combine carries its
+// replica's `stream` (none on the CPU) to run as if the master ran it.
 template <typename Part, typename Result>
 Result meet(const std::shared_ptr<ReplicaRound>& round, const char* direction, int64_t call, int64_t index,
             const OptStream& stream, Part part, const std::function<std::vector<Result>(std::vector<Part>&)>& combine,
@@ -242,8 +236,8 @@ struct Meeting {
 // What a synchronized call returns: y, this replica's mean and invstd, its process's count.
 using CallResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t>;
 
-// The calls (src/sync_batch_norm.cpp); `given`: a checkpoint's recomputation's normalization.
-// `mask`: bool (N, *spatial), the statistics over its valid positions (functions/masking.py).
+// `given`: a checkpoint's recomputation's normalization. `mask`: bool (N, *spatial), the
+// statistics over its valid positions (syncbn.functions.masking).
 CallResult sync_batch_norm(const Meeting& meeting, const at::Tensor& input, const OptTensor& weight,
                            const OptTensor& bias, const MasterCall& master_call, const OptTensor& residual,
                            std::optional<double> negative_slope, const std::optional<Normalization>& given,

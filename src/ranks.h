@@ -8,16 +8,15 @@
 
 namespace syncbn::native {
 
-// A deferred verdict's event, as functions/synchronization/checks.py reads it (the methods of a torch.cuda.Event
-// that it calls): whether the device has run the copies to host memory, and a wait for them.
+// A deferred verdict's event, with the torch.cuda.Event methods that
+// syncbn.functions.synchronization.checks calls on it.
 struct ReadyEvent {
   Ready event;
   bool query() const { return event->query(); }
   void synchronize() const { event->synchronize(); }
 };
 
-// A verdict on its way to host memory: copied from a device without waiting (into pinned memory,
-// as Tensor.to does for a non-blocking copy to the host), readable once `ready` has passed (none:
+// A verdict copied to pinned host memory without waiting, readable once `ready` has passed (none:
 // on the host already).
 struct HostVerdict {
   at::Tensor values, valid;  // `valid` undefined where the verdict has no device judgement
@@ -37,13 +36,9 @@ inline pybind11::object ready_object(const Ready& ready) {
 
 
 
-// This process's ranks, as Python holds them (syncbn.functions.synchronization.synchronizer.Synchronizer), or none.
-// The rows are built, merged, unpacked and (read at once, where they pass) judged here; Python is
-// called for the collectives, for the checks where they fail, and, where they are deferred, to
-// queue the verdicts that this copies to host memory (functions/synchronization/checks.py reads them later). Made
-// with the GIL held (the binding), which reads the call's identity (Synchronizer.native:
-// syncbn.functions.synchronization.distributed.native_ranks); its calls take the GIL; kept by the backward node and
-// released under the GIL.
+// This process's ranks (syncbn.functions.synchronization.synchronizer.Synchronizer), or none; Python
+// is called only for the collectives, failed checks and deferred verdicts. Made with the GIL held
+// (it reads Synchronizer.native); its calls and its release take the GIL themselves.
 class Ranks {
  public:
   explicit Ranks(PyObject* sync) : sync_(sync) {
@@ -66,9 +61,7 @@ class Ranks {
   }
   explicit operator bool() const { return sync_ != nullptr; }
 
-  // This process failed in a backward pass: Synchronizer.fail_backward tells the other ranks
-  // through the backward collective they wait in. Its own failure is reported, not raised: the
-  // error that caused it is the one the caller re-raises.
+  // Its own failure is reported, not raised: the caller re-raises the error that caused it.
   void fail_backward() const {
     pybind11::gil_scoped_acquire gil;
     pybind11::error_scope raised;  // the error being handled may still be Python's current one
@@ -100,11 +93,9 @@ class Ranks {
     return count_;
   }
 
-  // (mean, var) over every rank, from this process's (count, mean, M2) of an input of `sizes`:
-  // one all_gather of the row [header, mean, M2], the rows merged in rank order with the running
-  // statistics' update (where they pass the checks: merge_gathered_stats). A masked call's checks
-  // are read at once and its running statistics left to the caller, which checks the global
-  // count first (a count of 0 is no error for merge_gathered_stats).
+  // (mean, var) over every rank: one all_gather of [header, mean, M2], merged in rank order. A masked
+  // call's running statistics are left to the caller, which must reject a global count of 0 that
+  // merge_gathered_stats lets pass.
   std::tuple<at::Tensor, at::Tensor> merge(int64_t count, const at::Tensor& mean, const at::Tensor& m2,
                                            const std::vector<int64_t>& sizes, const MasterCall& call, bool masked) {
     const bool reads_at_once = reads_at_once_ || masked;

@@ -1,8 +1,7 @@
-// Where the replicas of one layer meet inside one process, for the native synchronized call
-// (src/sync_batch_norm.cpp); functions/synchronization/replicas.py holds who belongs to a round.
-// A replica posts its part of a call and waits without the GIL; once all have arrived, the last to arrive runs the master's (index 0) combine over
-// every part and publishes one result per part. Every wait has the round's timeout; a failure, a
-// timeout or an abort from Python breaks the round and wakes every waiter at once.
+// Where the replicas of one layer meet inside one process (who belongs to a round:
+// syncbn.functions.synchronization.replicas). Each replica posts its part and waits without the
+// GIL; the last to arrive runs the master's (index 0) combine and publishes one result per part.
+// A failure, a timeout or an abort from Python breaks the round and wakes every waiter at once.
 #pragma once
 
 #include <algorithm>
@@ -30,14 +29,9 @@ struct RoundBroken : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// "replica 1 failed: ValueError: ...": how replica `index`'s failure reads in the errors of the
-// replicas that waited for it. Defined with the callers (src/sync_batch_norm.cpp), which know the
-// Python exceptions that C++ ones become.
+// "replica 1 failed: ValueError: ...": replica `index`'s failure as its waiters report it; defined
+// in meeting.cpp, which knows the Python exception each C++ one becomes.
 std::string failure_reason(int64_t index, const std::exception_ptr& error);
-
-// A broken round's `reason` raised as syncbn.functions.ReplicaSyncError, with the GIL held (the bindings'
-// error: src/sync_batch_norm.cpp).
-[[noreturn]] void throw_replica_sync_error(const std::string& reason);
 
 class ReplicaRound {
  public:
@@ -71,15 +65,10 @@ class ReplicaRound {
     break_round(reason);
   }
 
-  // Post `part` under (`direction`, `call`) and return this replica's result. The master's
-  // (index 0) `combine` runs once over every part, in index order, outside the lock, on the thread
-  // of the replica that arrives last: that replica is running already, whereas waking a waiting
-  // master costs a thread wake-up (tens of us on a VM) on every meeting. The master's closure stays
-  // alive meanwhile, as the master waits for its result. Throws RoundBroken when the round is or
-  // gets broken or the wait times out; an exception from `combine` breaks the round for the others
-  // and reaches the master's caller as it is (the master's work, whichever thread ran it).
-  // `abandoned` (optional) is polled while this replica waits: once it says yes (the backward pass
-  // this wait belongs to has failed elsewhere), the round breaks and every waiter raises.
+  // The master's `combine` runs outside the lock on the last arrival's thread, which is awake
+  // already (the master's closure lives on: the master waits). Throws RoundBroken where the round
+  // breaks or the wait times out, but the master rethrows its combine's own exception as it is.
+  // `abandoned`, polled while waiting, breaks the round once this wait's backward pass failed elsewhere.
   template <typename Part, typename Result>
   Result exchange(const char* direction, int64_t call, int64_t index, Part part,
                   const std::function<std::vector<Result>(std::vector<Part>&)>& combine,
@@ -127,9 +116,8 @@ class ReplicaRound {
     int64_t pollers = 0;               // waiters polling long now, on spare cores (see spare_core)
   };
 
-  // By the last replica to arrive (the lock held): the master's combine over every part, then the
-  // results published. The waiters are woken before the combine so that their wake-up overlaps
-  // it: they spin (yielding the core) until the results are out.
+  // The waiters are woken before the combine so that their wake-up overlaps it (they spin until
+  // the results are out).
   template <typename Part, typename Result>
   void combine_all(std::unique_lock<std::mutex>& lock, const char* direction, int64_t call, int64_t index,
                    Slot<Part, Result>& slot) {
@@ -187,11 +175,8 @@ class ReplicaRound {
     signal();
   }
 
-  // Wait (the lock held) until ready(), a failure or the deadline. A spin first, without the lock
-  // (see spin): on a VM, waking a thread whose vCPU went idle costs more than the other replica's
-  // post. Woken when the last replica arrives, spin again while it combines, whose results are near.
-  // Once every replica has arrived the combine decides, so the deadline is extended once: a
-  // replica must not give up on a result that is about to be published.
+  // Spins before sleeping: waking a thread whose vCPU went idle costs more than a short poll. Once
+  // all have arrived the deadline is extended once: never give up on a result about to be published.
   template <typename Part, typename Result, typename Ready>
   void wait(std::unique_lock<std::mutex>& lock, const char* direction, int64_t call, Slot<Part, Result>& slot,
             std::chrono::steady_clock::time_point deadline, Ready ready, bool (*abandoned)()) {
@@ -225,11 +210,8 @@ class ReplicaRound {
     }
   }
 
-  // Whether a waiter may poll long without taking a core from a replica still working (or from
-  // the one combining, once all have arrived): pollers and workers together fit in the cores.
-  // Where replicas outnumber cores, the early arrivals poll briefly and sleep, and the last waiter
-  // polls long on the core its own arrival freed, so that no vCPU goes idle and costs a wake-up
-  // when the results come.
+  // A long poll must not take a core from a replica still working (or combining): where replicas
+  // outnumber cores, only the last waiter polls long, on the core its own arrival freed.
   template <typename Part, typename Result>
   bool spare_core(const Slot<Part, Result>& slot) const {
     if (cores_ == 0) return true;
@@ -238,9 +220,7 @@ class ReplicaRound {
     return slot.pollers + working < cores_;
   }
 
-  // Spin, yielding the core, without the lock, until something happens: for at most spin_us where
-  // a core is spare, else for at most kSharedSpin (its yields give way to the replicas working on
-  // that core; a short poll still spares a wake-up where the others are about to arrive).
+  // Only kSharedSpin without a spare core: short enough to leave it to the replicas working there.
   template <typename Part, typename Result>
   void spin(std::unique_lock<std::mutex>& lock, Slot<Part, Result>& slot) {
     const bool spare = spare_core(slot);

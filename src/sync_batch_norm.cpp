@@ -1,16 +1,9 @@
-// Every synchronized call, in one native call per replica and direction, without the GIL:
+// Every synchronized call, one native call per replica and direction, without the GIL:
 // sync_batch_norm (the plain and fused layers) and inplace_abn (the in-place activated ones).
-// The replica computes its statistics, posts them to its ReplicaRound (src/replica_round.h; none:
-// the only replica of its process) and waits; the master's merge (run by the replica that arrives
-// last, on the master's stream) merges every replica's and, with a process group, the ranks'
-// (Ranks: the row, the merge of the gathered rows with the running statistics' update, the
-// checks; the all_gather through Synchronizer.gather_rows), else updates the running statistics
-// itself; each replica normalizes its own input. A checkpoint's recomputation is given the first
-// run's statistics and meets no one in its forward. The backward nodes meet again with the
-// per-channel sums (the all_reduce through Synchronizer.reduce_row). The math is
-// functions/sync_batchnorm.py's and functions/inplace_abn.py's, over the same torch.ops.syncbn
-// operators called through the dispatcher (a part on a GPU takes the CUDA kernels). What crosses
-// devices is fenced by an event and kept alive for the copying stream (record_stream).
+// Replicas meet at their ReplicaRound, where the master's merge combines every replica's
+// statistics and, through Ranks, every rank's; the backward nodes meet again with the sums. The
+// math is syncbn.functions.sync_batchnorm's and syncbn.functions.inplace_abn's, over the same
+// torch.ops.syncbn operators; what crosses devices is fenced by an event and record_stream.
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -27,8 +20,7 @@ namespace {
 
 // ---- autograd ----
 
-// A new autograd node, held as the installed torch holds them (intrusive_ptr since torch 2.12 or
-// so, shared_ptr before).
+// A new autograd node, held as the installed torch's Edge holds them (intrusive_ptr or shared_ptr).
 template <typename T>
 auto make_node() {
   using Held = decltype(torch::autograd::Edge::function);
@@ -91,9 +83,7 @@ struct MeetingBackward : public torch::autograd::Node {
     }
   }
 
-  // This replica's per-channel sums met with every replica's and rank's: the totals that the
-  // input gradient takes, and the count it divides them by. Every replica meets, whichever
-  // gradients it wants: the others wait for its sums.
+  // Every replica meets, whichever gradients it wants: the others wait for its sums.
   std::pair<Sums, int64_t> totals(const at::Tensor& a, const at::Tensor& b, const at::Device& device) {
     const std::function<std::vector<Sums>(std::vector<SumsPart>&)> combine = [this](std::vector<SumsPart>& parts) {
       return std::vector<Sums>(parts.size(), sum_replicas(parts, *meeting.ranks));
@@ -149,8 +139,7 @@ struct SyncBatchNormBackward : public MeetingBackward<SyncBatchNormBackward> {
   }
 };
 
-// The in-place activated layer's backward (functions/inplace_abn.py has the math): from the
-// output y and dy alone.
+// From the output y and dy alone (the math: syncbn.functions.inplace_abn).
 struct InPlaceABNBackward : public MeetingBackward<InPlaceABNBackward> {
   double eps = 0, activation_param = 0;
   std::string activation;
@@ -236,9 +225,8 @@ Normalization normalization_of(const Meeting& meeting, const at::Tensor& x, cons
 
 }  // namespace
 
-// One replica's call of a synchronized layer (see the file's comment): y, with the autograd
-// history whose backward meets the other replicas (and ranks) again, and the replica's mean,
-// invstd and its process's count (which a checkpoint's recomputation reuses as `given`).
+// Returns y and the replica's mean, invstd and process count, which a checkpoint's recomputation
+// reuses as `given`.
 CallResult sync_batch_norm(const Meeting& meeting, const at::Tensor& input, const OptTensor& weight,
                            const OptTensor& bias, const MasterCall& master_call, const OptTensor& residual,
                            std::optional<double> negative_slope, const std::optional<Normalization>& given,
@@ -273,9 +261,8 @@ CallResult sync_batch_norm(const Meeting& meeting, const at::Tensor& input, cons
   });
 }
 
-// One replica's call of a synchronized in-place activated layer: `x` written over with
-// act((x - mean) * invstd * (|weight| + eps) + bias) (functions/inplace_abn.py), its history
-// rebased on a node whose backward meets again; returns as sync_batch_norm, x as y.
+// `x` written over with act((x - mean) * invstd * (|weight| + eps) + bias)
+// (syncbn.functions.inplace_abn); returns as sync_batch_norm, x as y.
 CallResult inplace_abn(const Meeting& meeting, const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
                        const MasterCall& master_call, const std::string& activation, double activation_param,
                        const std::optional<Normalization>& given) {

@@ -1,6 +1,6 @@
-// The native synchronized calls' Python face (functions/synchronization/synchronizer.py calls
-// them): the round, the calls run without the GIL with their errors raised as Python sees them,
-// and the graph task's reading.
+// The native synchronized calls' Python face, called by syncbn.functions.synchronization.synchronizer:
+// the round, the calls run without the GIL with their errors raised as Python sees them, and the
+// graph task's reading.
 #include "graph_task.h"
 #include "meeting.h"
 #include "ranks.h"
@@ -14,10 +14,8 @@ void throw_replica_sync_error(const std::string& reason) {
   throw pybind11::error_already_set();
 }
 
-// A replica's call, `work(meeting, given)`, run without the GIL (the wait and the master's
-// work); its errors raised as Python sees them. `sync`: the process master's Synchronizer where a
-// process group takes part; `given`: None, or the (mean, invstd, count) that a checkpoint's first
-// run returned, for its recomputation.
+// Without the GIL, as the wait and the master's work run there. `sync`: the process master's
+// Synchronizer, or None; `given`: None, or a checkpoint's first run's (mean, invstd, count).
 template <typename Work>
 pybind11::tuple run_call(const std::shared_ptr<ReplicaRound>& round, int64_t index, int64_t call,
                          const pybind11::object& sync, const pybind11::object& given, const Work& work) {

@@ -156,7 +156,7 @@ def _defer(verdict: Tensor, explain: Explain, valid: Tensor | None = None) -> No
 def defer_read(host: Tensor, ready: Ready | None, explain: Explain, valid: Tensor | None = None) -> None:
     """Keep a verdict already on its way to host memory (``host``, and ``valid``, the device's
     judgement of it, where given), to read once ``ready`` has passed (None: readable now). The
-    native call (src/sync_batch_norm.cpp) makes the copies and the event itself and calls this."""
+    native call (``Ranks`` in src/ranks.h) makes the copies and the event itself and calls this."""
     in_backward = torch_internals.in_backward_pass()
     with _lock:
         _pending.append(_Deferred(host, ready, explain, in_backward, valid))
@@ -202,9 +202,8 @@ def check_pending() -> None:
 
 
 def _read_pending(waits: int) -> None:
-    """Read the deferred verdicts oldest first: the first ``waits`` of them whether or not they
-    are ready (waiting for the device), then while they are ready. Raises the first failure
-    (dropping the rest)."""
+    """The first ``waits`` are read even if not ready (waiting for the device); the first failure
+    raises and drops the rest."""
     while True:
         with _lock:
             if not _pending or not (waits > 0 or _pending[0].is_ready()):

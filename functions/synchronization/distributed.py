@@ -246,7 +246,7 @@ def _explain_summed(call: ProcessGroupCall, identity_sums: list[float]) -> BaseE
 
 
 def native_ranks(call: ProcessGroupCall, dtype: torch.dtype, device: torch.device) -> tuple:
-    """What the native call (src/sync_batch_norm.cpp, ``Ranks``) needs of a call to build its
+    """What the native call (``Ranks`` in src/ranks.h) needs of a call to build its
     rows and judge them itself: (layer id, call number, dtype code, world size, whether the checks
     are read at once on ``device``). The row layout is this module's (``row_layout()``)."""
     number = call.number % LAYER_ID_RANGE

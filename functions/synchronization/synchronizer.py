@@ -116,11 +116,8 @@ class Synchronizer:
         return self._run("inplace_abn", x, weight, bias, *running, eps, activation, activation_param)
 
     def _run(self, name: str, input: Tensor, *arguments: Any, tail: tuple = ()) -> Tensor:
-        """The native call ``name`` (``src/sync_batch_norm.cpp``) for this replica: it computes its
-        statistics, meets, normalizes its own input and records the node whose backward meets
-        again; this keeps its (mean, invstd) in :attr:`normalization` and the count in
-        :attr:`count`; ``tail``: its arguments after ``given``, passed by position (no keywords to
-        parse). Raises :class:`~syncbn.functions.ReplicaSyncError` where the round broke."""
+        """``tail``: the arguments after ``given``, by position (no keywords to parse). Raises
+        :class:`~syncbn.functions.ReplicaSyncError` where the round broke."""
         call = self.replica_call
         round = None if call is None else call.round.native()  # raises where replicas cannot meet
         native_call = getattr(_native(self.layer), name)

@@ -23,6 +23,7 @@ the process group's timeout).
 """
 from __future__ import annotations
 
+import functools
 
 import torch
 import torch.distributed as dist
@@ -33,8 +34,10 @@ from ..operators import reference
 from .. import torch_internals
 from ..operators.ops import OVERLOADS
 from .distributed import DTYPE, FAILED, HEADER_SIZE, layer_key, stats_header
-from ..operators.reference import STATS_DTYPE, accumulation_dtype, in_dtype, memory_format_of, values_per_channel
+from ..operators.reference import STATS_DTYPE, accumulation_dtype, memory_format_of, values_per_channel
 from ..stats import Running
+from ..inplace_abn import inplace_abn_backward
+from ..sync_batchnorm import batch_stats_backward
 
 def _rank_row(x: Tensor, layer: str, mask: Tensor | None = None) -> Tensor:
     """This rank's row, as the eager path's (:func:`syncbn.functions.synchronization.distributed.stats_header`), at call
@@ -89,25 +92,17 @@ class TracedSyncFunction(Function):
     @staticmethod
     def backward(ctx, grad_output: Tensor):  # type: ignore[override]
         x, weight, bias, residual, mean, invstd, total, mask = ctx.saved_tensors
-        dy = grad_output.contiguous(memory_format=memory_format_of(x))
-        if ctx.negative_slope is None and residual is None:
-            g = dy
-            sum_dy, sum_dy_xmu = OVERLOADS.backward_reduce(dy, x, mean)
-        else:  # dy through the activation, and its sums, in one pass
-            _, g, sum_dy, sum_dy_xmu = OVERLOADS.backward_affine_act(
-                dy, x, mean, invstd, weight, bias, residual, ctx.negative_slope, False, True, True
-            )
-        sums = torch_internals.functional_collectives().all_reduce(torch.cat([sum_dy, sum_dy_xmu]), "sum", ctx.group)
-        total_dy, total_dy_xmu = sums.split(x.size(1))
-        total_dy, total_dy_xmu, count = reference.sums_per_value(total_dy, total_dy_xmu, total)
-        if mask is None:
-            grad_input = OVERLOADS.backward_elemt(g, x, mean, invstd, weight, total_dy, total_dy_xmu, count)
-        else:
-            grad_input = OVERLOADS.masked_backward_elemt(g, x, mean, invstd, weight, total_dy, total_dy_xmu, mask)
-        grad_weight = None if weight is None else in_dtype(sum_dy_xmu * invstd, weight.dtype)
-        grad_bias = None if bias is None else in_dtype(sum_dy, bias.dtype)
-        grad_residual = None if residual is None else g
+        needs = ctx.needs_input_grad
+        grads = batch_stats_backward(grad_output, x, mean, invstd, weight, bias, residual, ctx.negative_slope, mask,
+                                     total, (needs[0], needs[1], needs[2], needs[3]), functools.partial(_all_reduce, ctx.group))
+        grad_input, grad_weight, grad_bias, grad_residual = grads
         return grad_input, grad_weight, grad_bias, grad_residual, None, None, None, None, None, None
+
+
+def _all_reduce(group, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-channel ``a`` and ``b`` summed over the ranks of ``group`` in one all_reduce."""
+    sums = torch_internals.functional_collectives().all_reduce(torch.cat([a, b]), "sum", group)
+    return sums.split(a.numel())
 
 
 def traced_sync_batch_norm(
@@ -152,15 +147,9 @@ class TracedInPlaceABNFunction(Function):
     @staticmethod
     def backward(ctx, grad_output: Tensor):  # type: ignore[override]
         y, invstd, weight, bias, total = ctx.saved_tensors
-        dy = grad_output.contiguous(memory_format=memory_format_of(y))
-        sum_dz, sum_xhat_dz = OVERLOADS.abn_backward_reduce(y, dy, weight, bias, *ctx.act)
-        sums = torch_internals.functional_collectives().all_reduce(torch.cat([sum_dz, sum_xhat_dz]), "sum", ctx.group)
-        total_dz, total_xhat_dz = sums.split(y.size(1))
-        total_dz, total_xhat_dz, count = reference.sums_per_value(total_dz, total_xhat_dz, total)
-        grad_input = OVERLOADS.abn_backward_elemt(y, dy, invstd, weight, bias, *ctx.act, total_dz, total_xhat_dz, count)
-        grad_weight = None if weight is None else in_dtype(torch.where(weight < 0, -sum_xhat_dz, sum_xhat_dz), weight.dtype)
-        grad_bias = None if bias is None else in_dtype(sum_dz, bias.dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+        grads = inplace_abn_backward(grad_output, y, invstd, weight, bias, ctx.act, total, ctx.needs_input_grad[:3],
+                                     meet=functools.partial(_all_reduce, ctx.group))
+        return *grads, None, None, None, None, None
 
 
 def traced_inplace_abn(
