@@ -32,7 +32,7 @@ class FrozenBatchNormFunction(Function):
     the forward written in torch's differentiable ops.
     """
 
-    generate_vmap_rule = True  # the operators have vmap rules (functions/operators/ops.py)
+    generate_vmap_rule = True  # the operators have vmap rules (syncbn.functions.operators.ops)
 
     @staticmethod
     def forward(  # type: ignore[override]

@@ -53,7 +53,7 @@ class SyncBatchNormFunction(Function):
     forward with torch's differentiable ops and differentiates that.
     """
 
-    generate_vmap_rule = True  # the operators have vmap rules (functions/operators/ops.py)
+    generate_vmap_rule = True  # the operators have vmap rules (syncbn.functions.operators.ops)
 
     @staticmethod
     def forward(  # type: ignore[override]

@@ -1,6 +1,6 @@
 // The Python module functions._C_<capability> (see setup.py): the CPU kernels, registered as the
-// CPU implementations of the torch.ops.syncbn operators (declared in functions/operators/ops.py) when
-// functions/operators/backend.py asks (set_cpu_kernels; under the reference kernels the module still
+// CPU implementations of the torch.ops.syncbn operators (declared in syncbn.functions.operators.ops) when
+// syncbn.functions.operators.backend asks (set_cpu_kernels; under the reference kernels the module still
 // serves the replicas' native meeting), the default CUDA kernels
 // (src/torch_cuda_ops.cpp) likewise, and the native synchronized call (src/sync_batch_norm.cpp).
 #include <ATen/Parallel.h>

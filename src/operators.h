@@ -1,5 +1,5 @@
 // What the CPU and CUDA kernels share as implementations of the torch.ops.syncbn operators,
-// whose schemas are declared once, in functions/operators/ops.py: the output convention of
+// whose schemas are declared once, in syncbn.functions.operators.ops: the output convention of
 // backward_affine_act, the lone replica's training forward (composed of the other operators),
 // and the registration of one device's kernels.
 #pragma once
@@ -95,7 +95,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> normalization_stats(const at::Ten
 at::Tensor host_values_on(c10::ArrayRef<double> values, const at::Device& device);
 
 // The float64 row [head, a, b] on a's device (a and b 1-D floating tensors there): what one
-// collective over ranks sends (functions/synchronization/distributed.py: a forward's header, mean and M2; a
+// collective over ranks sends (syncbn.functions.synchronization.distributed: a forward's header, mean and M2; a
 // backward's identities, sum_dy and sum_dy_xmu). One call instead of a handful of ATen calls;
 // on the host, one pass.
 at::Tensor pack_row(c10::ArrayRef<double> head, const at::Tensor& a, const at::Tensor& b);

@@ -2,9 +2,9 @@
 // kernels (src/cuda) are not loaded: torch's SyncBN CUDA ops (batch_norm_stats,
 // batch_norm_elemt, batch_norm_backward_reduce, batch_norm_backward_elemt: one pass over memory
 // each) and the rest composed on ATen. Built into the CPU extension (no nvcc needed) and
-// registered for the CUDA key at run time (set_torch_cuda_ops, from functions/operators/backend.py),
+// registered for the CUDA key at run time (set_torch_cuda_ops, from syncbn.functions.operators.backend),
 // so that a replica thread on the synchronized CUDA route never takes the GIL for an operator.
-// The math is functions/operators/reference.py's, which the tests hold these to (on CPU tensors: every
+// The math is syncbn.functions.operators.reference's, which the tests hold these to (on CPU tensors: every
 // ATen call here has a CPU kernel too). No host read of a device value.
 #include <ATen/ATen.h>
 #include <torch/library.h>

@@ -11,7 +11,7 @@
 
 namespace syncbn::torch_cuda {
 
-// The operators' kernels, as src/kernels.inc declares them (their math: functions/operators/reference.py).
+// The operators' kernels, as src/kernels.inc declares them (their math: syncbn.functions.operators.reference).
 std::tuple<at::Tensor, at::Tensor> local_stats(const at::Tensor& x);
 at::Tensor elemt_forward(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
                          const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
@@ -33,7 +33,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_gathered_stats(
     const std::optional<at::Tensor>& num_batches_tracked, std::optional<double> momentum);
 
 // Registers them, with the device-generic composite operators (src/operators.h), as the CUDA
-// kernels of torch.ops.syncbn; once per process (functions/operators/backend.py calls it where our own
+// kernels of torch.ops.syncbn; once per process (syncbn.functions.operators.backend calls it where our own
 // CUDA kernels are not loaded).
 void set_torch_cuda_ops(bool on);
 

@@ -52,13 +52,13 @@ SCHEMAS = {
         "(Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor(c!)? num_batches_tracked, float? momentum, "
         "Tensor mean, Tensor var, SymInt count) -> ()"
     ),
-    # rows of an all_gather over ranks (functions/synchronization/distributed.py): header (its last value the
+    # rows of an all_gather over ranks (syncbn.functions.synchronization.distributed): header (its last value the
     # count), mean (C), M2 (C) per rank; judged, merged in row order, running statistics updated
     "merge_gathered_stats": (
         "(Tensor rows, int header, int agreeing, int? flag, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
         "Tensor(c!)? num_batches_tracked, float? momentum) -> (Tensor total, Tensor mean, Tensor var, Tensor valid)"
     ),
-    # the float64 row [head, a, b] that one collective over ranks sends (functions/synchronization/distributed.py)
+    # the float64 row [head, a, b] that one collective over ranks sends (syncbn.functions.synchronization.distributed)
     "pack_row": "(float[] head, Tensor a, Tensor b) -> Tensor",
     "unpack_row": "(Tensor row, int head, ScalarType dtype) -> (Tensor a, Tensor b)",
     "batch_norm_train": (
@@ -66,7 +66,7 @@ SCHEMAS = {
         "Tensor(c!)? num_batches_tracked, float? momentum, float eps, Tensor? residual=None, "
         "float? negative_slope=None) -> (Tensor y, Tensor mean, Tensor invstd)"
     ),
-    # in-place activated batch norm (modules/inplace_abn.py): x is written over, the backward
+    # in-place activated batch norm (syncbn.modules.inplace_abn): x is written over, the backward
     # reads the output y and dy only
     "abn_forward_": (
         "(Tensor(a!) x, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, float eps, str activation, "

@@ -1,5 +1,5 @@
 """Pure-PyTorch reference kernels of the in-place activated batch norm (In-Place ABN, Rota Bulo
-et al. 2018; the layers in modules/inplace_abn.py): the ``torch.ops.syncbn.abn_*`` operators,
+et al. 2018; the layers in syncbn.modules.inplace_abn): the ``torch.ops.syncbn.abn_*`` operators,
 registered by :mod:`syncbn.functions.operators.ops` as :mod:`syncbn.functions.operators.reference`'s are, and the oracle of their
 compiled kernels. Shapes and layouts as in :mod:`syncbn.functions.operators.reference`.
 """
@@ -12,7 +12,7 @@ from .reference import accumulation_dtype, memory_format_of, per_channel, reduct
 
 
 # In-place activated batch norm (In-Place ABN, Rota Bulo et al. 2018; the layers in
-# modules/inplace_abn.py): y = act(x_hat * gamma + beta) with gamma = |weight| + eps, written over
+# syncbn.modules.inplace_abn): y = act(x_hat * gamma + beta) with gamma = |weight| + eps, written over
 # x; the backward recovers act's input z from y (act is invertible), x_hat = (z - beta) / gamma,
 # and reads nothing else full-size but dy.
 ABN_ACTIVATIONS = ("leaky_relu", "elu", "identity")

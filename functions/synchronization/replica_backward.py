@@ -1,4 +1,4 @@
-"""ThreadedDataParallel's gather and threaded backward (modules/parallel.py): the autograd Function
+"""ThreadedDataParallel's gather and threaded backward (syncbn.modules.parallel): the autograd Function
 that gathers the replicas' outputs and whose backward runs each replica's backward on its own
 thread (``torch.autograd.grad`` per replica), then hands the input and parameter gradients back to
 the caller's graph, each input's gradient assembled from the replicas' rows."""

@@ -1,4 +1,4 @@
-"""The replica threads of ThreadedDataParallel (modules/parallel.py): a pool of workers that
+"""The replica threads of ThreadedDataParallel (syncbn.modules.parallel): a pool of workers that
 outlive the step, the caller's thread-local state carried into them, and a run of one job per
 replica whose failure releases the others at once and whose stragglers are named, with their
 stacks, instead of waited for without end."""

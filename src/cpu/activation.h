@@ -57,7 +57,7 @@ inline void with_flags(bool a, bool b, const Fn& fn) {
 }
 
 // The invertible activations of the in-place activated batch norm (abn_*; math: the end of
-// functions/operators/reference.py), with `param` leaky_relu's slope below 0 or elu's alpha.
+// syncbn.functions.operators.reference), with `param` leaky_relu's slope below 0 or elu's alpha.
 enum class InvertibleActivation { kLeakyRelu, kElu, kIdentity };
 
 inline InvertibleActivation parse_invertible_activation(c10::string_view name, const char* op) {

@@ -20,7 +20,7 @@ namespace syncbn::cpu {
 void merge_moments(const double* counts, const double* const* means, const double* const* m2s, int64_t R, int64_t C,
                    double* mean, double* m2);
 
-// Statistics over the valid positions of a padded batch (functions/operators/reference_masked.py
+// Statistics over the valid positions of a padded batch (syncbn.functions.operators.reference_masked
 // has the math): mask is bool (N, *spatial), True where valid. Mean and M2 per channel (float64)
 // over the valid positions, and their count (0-dim float64).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_local_stats(const at::Tensor& input, const at::Tensor& mask);

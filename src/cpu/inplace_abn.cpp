@@ -1,6 +1,6 @@
 // In-place activated batch norm on the CPU: abn_forward_, abn_backward_reduce and
 // abn_backward_elemt (what they compute: src/kernels.inc; their reference: the end of
-// functions/operators/reference.py), each one pass over memory, the activation a template argument.
+// syncbn.functions.operators.reference), each one pass over memory, the activation a template argument.
 //
 // The backward never forms x_hat = (z - beta) / gamma value by value: it carries t = z - beta
 // (0 where act'(z) is 0: elu's flat end, where z is -inf), divides sum(t * dz) by gamma once per

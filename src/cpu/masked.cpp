@@ -1,5 +1,5 @@
 // The statistics of the valid positions of a padded batch (the math:
-// functions/operators/reference_masked.py): channels_last, Welford over the valid rows, one pass;
+// syncbn.functions.operators.reference_masked): channels_last, Welford over the valid rows, one pass;
 // contiguous, where a channel's valid values are no runs, two passes: the mean, then the
 // deviations from it with the mean's rounding residue, as local_stats' reference does. The masked
 // input gradient is backward_elemt's pass with a mask (elementwise.cpp). One byte of mask per

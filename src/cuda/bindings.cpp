@@ -1,6 +1,6 @@
 // The Python module functions._C_cuda (see setup.py): the CUDA kernels of src/cuda/, registered as
-// the CUDA implementations of the torch.ops.syncbn operators (declared in functions/operators/ops.py) when
-// functions/operators/backend.py asks (use_kernels(cuda="compiled")).
+// the CUDA implementations of the torch.ops.syncbn operators (declared in syncbn.functions.operators.ops) when
+// syncbn.functions.operators.backend asks (use_kernels(cuda="compiled")).
 #include <torch/extension.h>
 #include <torch/library.h>
 

@@ -1,5 +1,5 @@
 // In-place activated batch norm on CUDA (what it computes: src/kernels.inc, the abn_* kernels;
-// the reference: functions/operators/reference.py): abn_forward_ writes act(x_hat * gamma + beta) over x in
+// the reference: syncbn.functions.operators.reference): abn_forward_ writes act(x_hat * gamma + beta) over x in
 // one elementwise pass; the backward reads the output y and dy only, recovers act's input z =
 // act^-1(y), dz = dy * act'(z) and x_hat = (z - beta) / gamma, and either sums dz and x_hat * dz
 // per channel (abn_backward_reduce, the reduction framework of reduction.cuh: deterministic, in

@@ -1,5 +1,5 @@
 // The statistics of the valid positions of a padded batch on CUDA (the math:
-// functions/operators/reference_masked.py), in two passes of the reduction framework (sums about
+// syncbn.functions.operators.reference_masked), in two passes of the reduction framework (sums about
 // 0, then about their mean, whose residue corrects it, as the CPU kernels do); the masked input
 // gradient is backward_elemt's op with a mask (elementwise.cu). One byte of mask per position,
 // shared by every channel; the valid count stays on the device.

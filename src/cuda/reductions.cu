@@ -256,7 +256,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_affine_act(c
 
 std::tuple<at::Tensor, at::Tensor> merge_stats(const at::Tensor& counts, const at::Tensor& means,
                                                const at::Tensor& m2s) {
-  // R-way Chan on R x C values: a few ATen ops on the device, as functions/operators/reference.py
+  // R-way Chan on R x C values: a few ATen ops on the device, as syncbn.functions.operators.reference
   // (tiny, and no host synchronization: the counts stay a device tensor).
   TORCH_CHECK(means.dim() == 2 && m2s.sizes() == means.sizes() && counts.dim() == 1 &&
                   counts.size(0) == means.size(0),
