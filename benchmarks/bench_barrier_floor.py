@@ -5,7 +5,7 @@ Where replicas of equal work run on cores whose speed varies (a VM's vCPUs share
 with other guests), that wait costs time even when the meeting itself costs nothing. This
 benchmark measures that floor twice, each time against our meeting:
 
-- in the small ResNet of ``bench_sync_overhead.py`` (17 batch norms: 34 meetings a step), one
+- in the small ResNet of ``resnet_step.py`` (17 batch norms: 34 meetings a step), one
   training step under R thread replicas (``ThreadedDataParallel``), five contenders alternating
   step by step: converted (our meeting), converted with each layer's replicas waiting at a
   minimal barrier where they would meet (:class:`MeetingAtABarrier`, whose waiters poll, and
@@ -54,9 +54,10 @@ from torch.utils import cpp_extension
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 import results  # noqa: E402
 from timing import least_stolen  # noqa: E402
-from bench_sync_overhead import MeetingNoOne, resnet_row  # noqa: E402
+from resnet_step import MeetingNoOne, resnet_row  # noqa: E402
 from results import Column  # noqa: E402
 from syncbn.functions.synchronization.replicas import ReplicaRound, usable_cores  # noqa: E402
 

@@ -3,7 +3,7 @@ loopback (one intra-op thread each), compiled (``DDP(torch.compile(model, fullgr
 Inductor, our layers' exchange in the graph as functional collectives) against eager, for our
 converted model and for torch's unsynced ``nn.BatchNorm2d`` in the same model.
 
-The model: ``bench_sync_overhead.small_resnet`` (stem + 8 basic blocks: 17 batch norms, residual
+The model: ``resnet_step.small_resnet`` (stem + 8 basic blocks: 17 batch norms, residual
 adds), a local batch of (8, 3, 16, 16) float32 per rank; one step is forward, loss, backward (no
 optimizer). Every rank runs the same fixed sequence (collectives need all ranks): the four
 contenders taken in turn over rounds, a fixed number of steps each; the slowest rank's median
@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 
 import results  # noqa: E402
-from bench_sync_overhead import small_resnet  # noqa: E402
+from resnet_step import small_resnet  # noqa: E402
 from results import Column  # noqa: E402
 from testkit.local_group import run_local_group  # noqa: E402
 

@@ -53,7 +53,6 @@ from typing import Callable
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils import benchmark
@@ -65,14 +64,14 @@ import results  # noqa: E402
 from timing import least_stolen  # noqa: E402
 from bench_toolchain import FIXED_COST_SHAPE, fixed_cost_steps  # noqa: E402
 from results import Column  # noqa: E402
-from syncbn.functions.operators import backend  # noqa: E402
 from syncbn.functions.synchronization import checks, distributed  # noqa: E402
-from helpers import BasicBlock  # noqa: E402
 import syncbn.modules.batchnorm  # noqa: E402
 import syncbn.functions.synchronization.replica_threads  # noqa: E402
 from syncbn import nn as NN  # noqa: E402
 from syncbn.modules.parallel import ThreadedDataParallel  # noqa: E402
 from testkit.local_group import run_local_group  # noqa: E402
+from collectives_in_place import BatchNormWithCollectives, collectives_alone  # noqa: E402
+from resnet_step import resnet_row, resnet_without_thread_shares  # noqa: E402
 
 SHAPE = (8, 8, 4, 4)
 DEEP = 16
@@ -157,83 +156,6 @@ def threads_row(replicas: int, min_run_time: float, rounds: int, layers: tuple =
     return layer_samples(t, lambda depth: ("ours", depth)), layer_samples(t, lambda depth: ("torch", depth))
 
 
-def small_resnet(channels: int = 16, blocks: int = 8) -> nn.Module:
-    """A stem conv + BN + ReLU, ``blocks`` basic blocks (residual adds), pooled linear head:
-    1 + 2 * blocks batch norms."""
-    return nn.Sequential(
-        nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(),
-        *[BasicBlock(channels) for _ in range(blocks)],
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10),
-    )
-
-
-def alternating(timers: dict, steps: int, blocks: int = 1) -> Samples:
-    """Each timer's median seconds of one run in each of ``blocks`` blocks of ``steps`` runs in
-    all, the timers run in turn one run at a time, so that every contender meets the same moments
-    of a noisy machine."""
-    samples: dict = {key: [] for key in timers}
-    for timer in timers.values():
-        timer.timeit(3)  # workers started, caches warm
-    for _ in range(steps):
-        for key, timer in timers.items():
-            samples[key].append(timer.timeit(1).median)
-    size = max(1, steps // blocks)
-    return {key: [median(v[b * size:(b + 1) * size]) for b in range(min(blocks, steps))] for key, v in samples.items()}
-
-
-def resnet_step(model: nn.Module, replicas: int, threads: int) -> benchmark.Timer:
-    """One training step of ``model`` under R thread replicas, the caller having ``threads``
-    intra-op threads."""
-    x = torch.randn(16, 3, 16, 16)
-    runner = ThreadedDataParallel(model, ["cpu"] * replicas)
-    return benchmark.Timer("runner(x).square().mean().backward()", globals=dict(runner=runner, x=x), num_threads=threads)
-
-
-class MeetingNoOne(NN.SyncBatchNorm2d):
-    """Our layer whose replicas meet no one: each normalizes its own chunk through the same
-    native call as a synchronized replica (no round, no process group). What our layer costs in a
-    step without the meeting, so that the ResNet row can tell the two apart."""
-
-    def _meeting(self) -> tuple[None, None]:
-        return None, None
-
-
-def with_layers_of(model: nn.Module, kind: type) -> nn.Module:
-    """``model`` with each of its synchronized layers made a ``kind`` (a subclass)."""
-    for layer in model.modules():
-        if isinstance(layer, NN.SyncBatchNorm2d):
-            layer.__class__ = kind
-    return model
-
-
-def resnet_row(replicas: int, steps: int, threads: int = 1, variants: dict[str, type] | None = None,
-               blocks: int = 1) -> Samples:
-    """Seconds of one training step of the small ResNet under R thread replicas (medians of
-    ``steps`` alternating steps in each of ``blocks`` blocks): converted (ours, meeting natively),
-    converted with layers that meet no one (:class:`MeetingNoOne`), unsynced, and the converted
-    net with its layers made of each of ``variants``' classes."""
-    torch.manual_seed(0)
-    timers = {
-        "ours": resnet_step(NN.convert_sync_batchnorm(small_resnet()), replicas, threads),
-        "alone": resnet_step(with_layers_of(NN.convert_sync_batchnorm(small_resnet()), MeetingNoOne), replicas, threads),
-        "torch": resnet_step(small_resnet(), replicas, threads),
-    }
-    for key, kind in (variants or {}).items():
-        timers[key] = resnet_step(with_layers_of(NN.convert_sync_batchnorm(small_resnet()), kind), replicas, threads)
-    return alternating(timers, steps, blocks)
-
-
-def resnet_without_thread_shares(replicas: int, min_run_time: float, threads: int) -> float:
-    """Seconds of the unsynced small ResNet's step where every CPU replica starts a team of all
-    the caller's ``threads`` (as before ThreadedDataParallel shared them out)."""
-    torch.manual_seed(0)
-    timer = resnet_step(small_resnet(), replicas, threads)
-    every_thread = functools.partial(backend.set_thread_intra_op_threads, threads)  # workers keep their setting: set it
-    with mock.patch.object(syncbn.functions.synchronization.replica_threads, "set_thread_intra_op_threads", lambda share: every_thread()):
-        timer.timeit(3)
-        return timer.blocked_autorange(min_run_time=min_run_time).median
-
-
 def time_fixed(fn: Callable[[], object], number: int) -> float:
     """Seconds a call of ``fn``, over ``number`` calls after a first one."""
     fn()
@@ -247,51 +169,6 @@ def ddp_model(layer: type, depth: int) -> nn.Module:
     return DistributedDataParallel(stack(layer, depth), forward_sync_buffers=False)
 
 
-def layer_rows(channels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero rows of the sizes that a layer of ``channels`` sends: the forward's statistics row
-    (header, mean, M2) and the backward's sums row (identities, sum_dy, sum_dy_xmu), float64."""
-    return (
-        torch.zeros(distributed.HEADER_SIZE + 2 * channels, dtype=torch.float64),
-        torch.zeros(distributed.IDENTITY_SIZE + 2 * channels, dtype=torch.float64),
-    )
-
-
-def collectives_alone() -> Callable[[], None]:
-    """One layer's two collectives: the all_gather of its statistics row and the all_reduce of
-    its backward sums."""
-    row, sums = layer_rows(SHAPE[1])
-
-    def both() -> None:
-        distributed._all_gather_rows(row, None)  # as our layer gathers (all_gather_single where torch has it)
-        dist.all_reduce(sums)
-
-    return both
-
-
-class _CollectivesInPlace(torch.autograd.Function):
-    """The identity, making a layer's two collectives where ours makes them: the all_gather of a
-    statistics row in the forward, the all_reduce of the sums row in the backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        row, ctx.sums = layer_rows(x.shape[1])
-        distributed._all_gather_rows(row, None)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        dist.all_reduce(ctx.sums)
-        return grad
-
-
-class BatchNormWithCollectives(nn.BatchNorm2d):
-    """torch's unsynced layer making our layer's two collectives at the same points of the step:
-    the collectives as they cost in place, with the ranks' skew between them, without our work."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(_CollectivesInPlace.apply(x))
-
-
 def ranks_row(rank: int, world: int, number: int, repeats: int) -> Samples:
     """Per-layer seconds on this rank in each of ``repeats`` rounds: ours with the checks at the
     layer and deferred, torch's, torch's with the two collectives in place
@@ -301,7 +178,7 @@ def ranks_row(rank: int, world: int, number: int, repeats: int) -> Samples:
     ours = {depth: ddp_model(NN.SyncBatchNorm2d, depth) for depth in (1, DEEP)}
     theirs = {depth: ddp_model(nn.BatchNorm2d, depth) for depth in (1, DEEP)}
     placed = {depth: ddp_model(BatchNormWithCollectives, depth) for depth in (1, DEEP)}
-    both = collectives_alone()
+    both = collectives_alone(SHAPE[1])
     samples: dict = {key: [] for key in ("layer", "step", "torch", "placed", "collectives")}
     for _ in range(repeats):
         for mode in ("layer", "step"):

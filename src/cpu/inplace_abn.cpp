@@ -1,16 +1,10 @@
 // In-place activated batch norm on the CPU: abn_forward_, abn_backward_reduce and
-// abn_backward_elemt (what they compute: src/kernels.inc; their reference: the end of
-// syncbn.functions.operators.reference), each one pass over memory, the activation a template argument.
-//
-// The backward never forms x_hat = (z - beta) / gamma value by value: it carries t = z - beta
-// (0 where act'(z) is 0: elu's flat end, where z is -inf), divides sum(t * dz) by gamma once per
-// channel, and folds 1 / gamma into a per-channel coefficient of dx. Tails shorter than a vector
-// go through the vector code (zero-padded loads), so that every value takes the same math.
-//
-// Sums accumulate per vector lane in the accumulation type over at most kMaxLaneUpdates values
-// (as in reductions.cpp), then in double; the pieces they are cut into depend on the sizes only,
-// never on the number of threads, and merge in a fixed order: the sums are the same whatever the
-// number of threads.
+// abn_backward_elemt (their reference: syncbn.functions.operators.reference_abn), one pass over
+// memory each, the activation a template argument. The backward carries t = z - beta (0 where
+// act'(z) is 0: elu's flat end) instead of x_hat, dividing by gamma once per channel; tails take
+// the vector code (zero-padded loads), so every value takes the same math. Sums accumulate per
+// lane over at most kMaxLaneUpdates values, then in double, in pieces fixed by the sizes alone:
+// the same bits whatever the number of threads.
 #include "batch_norm_cpu.h"
 #include "activation.h"
 #include "map_per_channel.h"
@@ -170,7 +164,7 @@ class ContiguousAbnSums {
 };
 
 // Channels-last layout: the sums over rows, per channel, row by row (as ChannelsLastGradPass in
-// reductions.cpp); the per-channel arrays are padded to whole vectors.
+// grad_passes.h); the per-channel arrays are padded to whole vectors.
 template <typename scalar_t, Act kAct>
 class ChannelsLastAbnSums {
   using A = AccVec<scalar_t>;
@@ -216,8 +210,7 @@ class ChannelsLastAbnSums {
   std::vector<acc_t> sum_dz_, sum_tdz_;
 };
 
-// The sums of every channel over y and dy (either layout). Pieces: at most kMaxLaneUpdates
-// updates of a lane each, cut by the sizes alone; merged in double, in order.
+// The sums of every channel over y and dy (either layout), in pieces cut by the sizes alone.
 template <typename scalar_t, Act kAct>
 std::vector<AbnSums> abn_sums(const Layout& l, const scalar_t* y, const scalar_t* dy, const std::vector<double>& beta,
                               double param) {
@@ -294,8 +287,7 @@ void abn_forward_(const at::Tensor& x, const at::Tensor& mean, const at::Tensor&
     });
   });
   if (!work.is_same(x)) x.copy_(work);
-  // x was written over: the dispatcher bumps no version counter for a custom operator (no
-  // ADInplaceOrView kernel), so that autograd sees the write, do it here
+  // x was written over: no ADInplaceOrView kernel bumps its version for a custom operator
   x.unsafeGetTensorImpl()->bump_version();
 }
 
