@@ -94,23 +94,22 @@ class SyncBatchNormFunction(Function):
         input, weight, bias, residual, mean, invstd, *mask = ctx.saved_tensors
         mask = mask[0] if mask else None
         x = input.contiguous(memory_format=memory_format_of(input))
-        count = values_per_channel(x) if mask is None else mask.sum(dtype=STATS_DTYPE)
         needs = ctx.needs_input_grad
         grads = batch_stats_backward(grad_output, x, mean, invstd, weight, bias, residual, ctx.negative_slope, mask,
-                                     count, (needs[0], needs[1], needs[2], needs[9]))
+                                     None, (needs[0], needs[1], needs[2], needs[9]))
         grad_input, grad_weight, grad_bias, grad_residual = grads
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, grad_residual, None, None
 
 
 def batch_stats_backward(
     grad_output: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None,
-    residual: Tensor | None, negative_slope: float | None, mask: Tensor | None, count: int | Tensor,
+    residual: Tensor | None, negative_slope: float | None, mask: Tensor | None, count: int | Tensor | None,
     needs: tuple[bool, bool, bool, bool], meet: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """(grad_input, grad_weight, grad_bias, grad_residual) of the module docstring's backward,
     each where ``needs`` says. ``x`` is the input as the forward normalized it; ``count`` the values
     (with a ``mask``, the valid positions) per channel of every part, an int or a 0-dim device
-    tensor; ``meet`` sums the per-channel (sum_dy, sum_dy_xmu) over the other parts (ranks), and
+    tensor (None: ``x``'s own, counted only where the input gradient needs it); ``meet`` sums the per-channel (sum_dy, sum_dy_xmu) over the other parts (ranks), and
     is called whatever ``needs`` says, so that every rank joins it; None: this input is the batch."""
     dy = grad_output.contiguous(memory_format=memory_format_of(x))
     if negative_slope is None:
@@ -122,6 +121,8 @@ def batch_stats_backward(
     total_dy, total_dy_xmu = (sum_dy, sum_dy_xmu) if meet is None else meet(sum_dy, sum_dy_xmu)
     grad_input = None
     if needs[0]:
+        if count is None:
+            count = values_per_channel(x) if mask is None else mask.sum(dtype=STATS_DTYPE)
         if mask is not None or isinstance(count, Tensor):  # the kernels take an int count
             total_dy, total_dy_xmu, count = reference.sums_per_value(total_dy, total_dy_xmu, count)
         if mask is None:
