@@ -96,12 +96,8 @@ class ContiguousGradPass {
   }
 
   GradSums result() const {
-    GradSums total;
-    for (int k = 0; k < A::kVecs; ++k) {
-      total.merge({double(at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), sum_g_[k])),
-                   double(at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), sum_g_xmu_[k]))});
-    }
-    return total;
+    const auto [total_a, total_b] = A::lane_totals(sum_g_, sum_g_xmu_);
+    return {total_a, total_b};
   }
 
  private:

@@ -147,12 +147,8 @@ class ContiguousAbnSums {
   }
 
   AbnSums result() const {
-    AbnSums total;
-    for (int k = 0; k < A::kVecs; ++k) {
-      total.merge({double(at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), sum_dz_[k])),
-                   double(at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), sum_tdz_[k]))});
-    }
-    return total;
+    const auto [total_a, total_b] = A::lane_totals(sum_dz_, sum_tdz_);
+    return {total_a, total_b};
   }
 
  private:

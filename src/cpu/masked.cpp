@@ -49,12 +49,8 @@ class ContiguousMaskedSums {
   }
 
   CenteredSums result() const {
-    CenteredSums total;
-    for (int k = 0; k < A::kVecs; ++k) {
-      total.merge({double(at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), first_[k])),
-                   double(at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), second_[k]))});
-    }
-    return total;
+    const auto [total_a, total_b] = A::lane_totals(first_, second_);
+    return {total_a, total_b};
   }
 
  private:

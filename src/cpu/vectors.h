@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <functional>
+#include <utility>
 #include <vector>
 
 #include "layout.h"
@@ -83,6 +85,15 @@ struct AccVec {
     Pack v;
     v.fill(Vec(value));
     return v;
+  }
+  // Two accumulator packs' lanes summed, vector by vector in order, in double.
+  static std::pair<double, double> lane_totals(const Pack& a, const Pack& b) {
+    double total_a = 0, total_b = 0;
+    for (int k = 0; k < kVecs; ++k) {
+      total_a += double(at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), a[k]));
+      total_b += double(at::vec::vec_reduce_all<acc_t>(std::plus<Vec>(), b[k]));
+    }
+    return {total_a, total_b};
   }
 };
 
