@@ -26,6 +26,13 @@ def positions_mask(mask: Tensor, input: Tensor, layer: str) -> Tensor:
     ``(N, *spatial)``, ``(N, 1, *spatial)`` (the input's shape with one channel), or any leading
     part of ``(N, *spatial)`` whose missing trailing dimensions broadcast (``(N,)``: whole
     samples); dimensions of size 1 broadcast. True marks a valid position."""
+    positions = (input.size(0), *input.shape[2:])
+    return mask.reshape(check_mask(mask, input, layer)).expand(positions).contiguous()
+
+
+def check_mask(mask: Tensor, input: Tensor, layer: str) -> tuple[int, ...]:
+    """Raise, naming ``layer``, where ``mask`` is not a mask of ``input`` (:func:`positions_mask`'s
+    forms); else its shape aligned with the input's positions ``(N, *spatial)``, 1 where it broadcasts."""
     if not isinstance(mask, Tensor):
         raise TypeError(f"{layer}: mask must be a bool Tensor, got {type(mask).__name__}")
     if mask.dtype != torch.bool:
@@ -43,7 +50,7 @@ def positions_mask(mask: Tensor, input: Tensor, layer: str) -> Tensor:
             f"(input size {tuple(input.shape)}): expected (N, *spatial), (N, 1, *spatial) or a leading part of "
             "(N, *spatial), with dimensions of size 1 broadcast"
         )
-    return mask.reshape(aligned).expand(positions).contiguous()
+    return aligned
 
 
 def check_count(count: Tensor, layer: str, shape: torch.Size) -> None:

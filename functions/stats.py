@@ -32,9 +32,12 @@ def check_valid_positions(total: int, layer: str, shapes: Sequence[Sequence[int]
         )
 
 
-def check_inputs_agree(layer: str, channels: Sequence[int], dtypes: Sequence[torch.dtype]) -> None:
-    """The replicas' inputs have the same channels and dtype (replica ``i``'s input: ``channels[i]``
-    channels of ``dtypes[i]``); the native meeting calls this where they do not, for its message."""
+def check_inputs_agree(
+    layer: str, channels: Sequence[int], dtypes: Sequence[torch.dtype], masked: Sequence[bool] = ()
+) -> None:
+    """The replicas' inputs have the same channels and dtype, and all or none have a mask (replica
+    ``i``'s input: ``channels[i]`` channels of ``dtypes[i]``, ``masked[i]``); the native meeting
+    calls this where they do not, for its message."""
     for index, (count, dtype) in enumerate(zip(channels, dtypes)):
         if count != channels[0] or dtype != dtypes[0]:
             raise RuntimeError(
@@ -42,6 +45,13 @@ def check_inputs_agree(layer: str, channels: Sequence[int], dtypes: Sequence[tor
                 f"{channels[0]} channels of {dtypes[0]}, replica {index} has "
                 f"{count} channels of {dtype}"
             )
+    if any(flag != masked[0] for flag in masked):
+        with_mask = [index for index, flag in enumerate(masked) if flag]
+        without = [index for index, flag in enumerate(masked) if not flag]
+        raise RuntimeError(
+            f"{layer}: replicas disagree on mask=: replica(s) {with_mask} pass a mask, replica(s) {without} "
+            "do not; pass one to every replica (an all-True mask where nothing is padded) or to none"
+        )
 
 
 def check_not_capturing(capturing: bool, layer: str, direction: str) -> None:

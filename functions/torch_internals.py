@@ -66,9 +66,8 @@ def torch_replicate_call(max_depth: int = 8) -> tuple[int | None, nn.Module | No
 
 
 def own_forward_hooks(replica: nn.Module) -> None:
-    """Give ``replica`` forward-hook dicts of its own: ``_replicate_for_data_parallel`` copies a
-    module's ``__dict__`` shallowly, so a replica shares its original's, and a hook registered
-    on the replica would stay on the user's module."""
+    """Give ``replica`` forward-hook dicts of its own: ``_replicate_for_data_parallel`` copies
+    ``__dict__`` shallowly, and a hook registered on the replica would stay on the user's module."""
     for name in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
         hooks = replica.__dict__.get(name)
         if hooks is not None:
@@ -98,14 +97,12 @@ def has_forward_hook(module: nn.Module, hook: Callable) -> bool:
 
 
 def torch_build_identity() -> str:
-    """The running torch as an extension built against it records it (setup.py,
-    ``write_build_identity``): version, git revision and C++ ABI (``torch._C``'s flag)."""
+    """The running torch as a build records it (setup.py): version, git revision and C++ ABI."""
     return f"{torch.__version__} ({torch.version.git_version}, cxx11abi={int(torch._C._GLIBCXX_USE_CXX11_ABI)})"
 
 
 class _Probe(Function):
-    """A node whose backward asks the compiled module whether its reading of the running graph task
-    agrees with torch's accessors."""
+    """A node whose backward asks the compiled module whether it reads the graph task as torch does."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, native: ModuleType, seen: list) -> Tensor:
@@ -202,6 +199,11 @@ def current_graph_task_id() -> int:
 def in_backward_pass() -> bool:
     """Whether this thread runs inside a backward pass."""
     return current_graph_task_id() != -1
+
+
+def will_engine_execute(node: Any) -> bool:
+    """Inside a backward pass: whether it executes the backward ``node`` (a grad_fn)."""
+    return torch._C._will_engine_execute_node(node)
 
 
 def at_backward_end(callback: Callable[[], None]) -> None:
@@ -371,16 +373,19 @@ def assert_on_device(condition: Tensor, message: str) -> None:
 
 def tree_flatten(tree: Any) -> tuple[list, Any]:
     """torch's pytree flattening (``torch.utils._pytree``): the leaves and the structure."""
-    from torch.utils import _pytree
-
-    return _pytree.tree_flatten(tree)
+    return sys.modules["torch.utils._pytree"].tree_flatten(tree)
 
 
 def tree_unflatten(leaves: list, structure: Any) -> Any:
     """The tree of ``structure`` (from :func:`tree_flatten`) with ``leaves``."""
-    from torch.utils import _pytree
+    return sys.modules["torch.utils._pytree"].tree_unflatten(leaves, structure)
 
-    return _pytree.tree_unflatten(leaves, structure)
+
+def is_compiled_module(module: nn.Module) -> bool:
+    """Whether ``module`` is what ``torch.compile(module)`` returns (an ``OptimizedModule``),
+    without loading the compiler: none exists before it is loaded."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
 def functional_collectives() -> ModuleType:

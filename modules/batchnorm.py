@@ -12,8 +12,8 @@ from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..functions import checkpointing, frozen_batch_norm, sync_batch_norm, torch_internals
-from ..functions.masking import positions_mask
-from ..functions.synchronization.traced_ranks import traced_sync_batch_norm
+from ..functions.masking import check_mask, positions_mask
+from ..functions.synchronization import traced_ranks
 from ..functions.operators.lone_replica import takes_our_kernels
 from ..functions.synchronization.distributed import ProcessGroupSync, active_process_group, consecutive_rank_groups
 from ..functions.operators.reference import values_per_channel
@@ -76,9 +76,8 @@ class SyncBatchNorm(_BatchNorm):
             used in eval mode too (each replica's and rank's own, never synchronized). Default: True
         process_group: the ``torch.distributed`` group to sync over; None: the default group
             when it is initialized with more than one rank. Every rank of the group must call
-            the layer the same number of times, in the same order. A rank that never arrives
-            is covered by the group's own timeout (``init_process_group(timeout=...)``,
-            ``new_group(timeout=...)``). Default: None
+            the layer the same number of times, in the same order; one that never arrives is
+            covered by the group's own timeout (``init_process_group(timeout=...)``). Default: None
         timeout: seconds a replica waits for the other replicas in its process before raising
             :class:`~syncbn.functions.ReplicaSyncError`. Default: ``$SYNCBN_TIMEOUT``, else 60.
         bias: learn a bias (with ``affine``). Default: True
@@ -193,10 +192,7 @@ class SyncBatchNorm(_BatchNorm):
         if z is not None:
             self._check_residual(input, z)
         if input.size(1) != self.num_features:
-            raise RuntimeError(
-                f"{self._label()}: expected {self.num_features} channels in dim 1, "
-                f"got input of size {tuple(input.shape)}"
-            )
+            raise RuntimeError(f"{self._label()}: expected {self.num_features} channels in dim 1, got input of size {tuple(input.shape)}")
         if not input.dtype.is_floating_point:  # the dtype's flag: no call into torch
             raise RuntimeError(f"{self._label()}: expected a floating point input, got {input.dtype}")
         # one parameter or buffer stands for all of them: this runs on every call
@@ -215,20 +211,16 @@ class SyncBatchNorm(_BatchNorm):
         if not isinstance(z, Tensor):
             raise TypeError(f"{self._label()}: the residual z must be a Tensor, got {type(z).__name__}")
         if z.shape != input.shape or z.dtype != input.dtype or z.device != input.device:
-            raise RuntimeError(
-                f"{self._label()}: the residual z must match the input, got z of size {tuple(z.shape)}, "
-                f"{z.dtype} on {z.device} for input of size {tuple(input.shape)}, {input.dtype} on {input.device}"
-            )
+            raise RuntimeError(f"{self._label()}: the residual z must match the input, got z of size {tuple(z.shape)}, "
+                               f"{z.dtype} on {z.device} for input of size {tuple(input.shape)}, {input.dtype} on {input.device}")
 
     def _replicate_for_data_parallel(self):
         replica = super()._replicate_for_data_parallel()
-        # into __dict__ as Module.__setattr__ would put it, less its checks for a parameter,
-        # buffer or module of that name (there is none): this runs for every replica at every step
+        # into __dict__ as Module.__setattr__ would, less its checks: this runs per replica per step
         replica.__dict__[REPLICA_ATTR] = self._round_tracker.join(replica, self._round_settings)
         return replica
 
-    def _round_settings(self) -> tuple[str, float]:
-        """A new replica round's layer label and timeout."""
+    def _round_settings(self) -> tuple[str, float]:  # a new replica round's layer label and timeout
         return self._label(), resolve_timeout(self.timeout)
 
     def forward(self, input: Tensor, z: Tensor | None = None, *, mask: Tensor | None = None) -> Tensor:
@@ -244,7 +236,7 @@ class SyncBatchNorm(_BatchNorm):
         statistics (which ignore a ``mask``); batch statistics met with no one (lone), with other
         replicas and/or ranks (synced), or with ranks alone in traced code (traced)."""
         if not self._uses_batch_stats():
-            return self._forward_fixed_stats(input, z)
+            return self._forward_fixed_stats(input, z, mask)
         self._check_batch_eps()
         meeting = self._meeting()
         if meeting is None:
@@ -254,9 +246,7 @@ class SyncBatchNorm(_BatchNorm):
             return self._forward_traced(input, z, group, mask)
         return self._forward_synced(input, z, handle, group, mask)
 
-    def _traces(self, input: Tensor) -> bool:
-        """Whether ranks alone meet in traced code: while compiling, and eagerly where the compiled
-        module that runs the synchronized calls is not loaded."""
+    def _traces(self, input: Tensor) -> bool:  # ranks alone meet in traced code (else native)
         return torch.compiler.is_compiling() or backend.NATIVE_ROUNDS is None
 
     def _forward_lone(self, input: Tensor, z: Tensor | None, mask: Tensor | None = None) -> Tensor:
@@ -290,8 +280,8 @@ class SyncBatchNorm(_BatchNorm):
         """Batch statistics: in training unless frozen, and in eval without running statistics."""
         return not self.frozen and (self.training or (self.running_mean is None and self.running_var is None))
 
-    def _check_batch_eps(self) -> None:
-        if not self.eps > 0:  # as F.batch_norm: batch statistics need it, fixed ones do not
+    def _check_batch_eps(self) -> None:  # as F.batch_norm: batch statistics need it, fixed ones do not
+        if not self.eps > 0:
             raise ValueError(f"{self._label()}: batch_norm eps must be positive during training, but got {self.eps}")
 
     def _meeting(self) -> tuple[ReplicaHandle | None, Any] | None:
@@ -337,15 +327,21 @@ class SyncBatchNorm(_BatchNorm):
             raise
         checkpointing.remember(where, call, sync.statistics())
         if y.requires_grad and checkpointing.keeps_nodes(where):
-            sync.owe_backward()
+            sync.owe_backward(y)
         return y
 
     def _forward_traced(self, input: Tensor, z: Tensor | None, group: Any, mask: Tensor | None = None) -> Tensor:
-        """Ranks alone (no replicas in the process) in traced code: the exchange as functional
-        collectives (:mod:`syncbn.functions.synchronization.traced_ranks`), no graph break."""
-        self._check_input(input, z)
-        mask = None if mask is None else positions_mask(mask, input, self._label())
-        return self._batch_stats(traced_sync_batch_norm, input, z, mask, group=group)
+        """Ranks alone in traced code (:mod:`syncbn.functions.synchronization.traced_ranks`), no graph
+        break; a rank whose input fails the checks still joins the collective: every rank raises here."""
+        try:
+            self._check_input(input, z)
+            mask = None if mask is None else positions_mask(mask, input, self._label())
+        except Exception as error:
+            traced_ranks.report_failure(group, self._label(), self.num_features, input.device, error.args[0])
+            if not torch.compiler.is_compiling():
+                raise
+            return input  # never used: the failure's device-side check raises first (a raise here ends the graph)
+        return self._batch_stats(traced_ranks.traced_sync_batch_norm, input, z, mask, group=group)
 
     def _synced(self, input: Tensor, z: Tensor | None, sync: Synchronizer, mask: Tensor | None = None) -> Tensor:
         """The synchronized call itself, its input checked, run natively by ``sync``."""
@@ -362,11 +358,13 @@ class SyncBatchNorm(_BatchNorm):
             negative_slope=self._negative_slope(), mask=mask, **meeting,
         )
 
-    def _forward_fixed_stats(self, input: Tensor, z: Tensor | None) -> Tensor:
-        """Frozen, or eval with running statistics: no update, no communication."""
+    def _forward_fixed_stats(self, input: Tensor, z: Tensor | None, mask: Tensor | None = None) -> Tensor:
+        """Frozen, or eval with running statistics: no update, no communication; a ``mask`` is
+        checked as in training, then ignored (the statistics are fixed)."""
         self._check_input(input, z)
-        fused = self._fuses(z)
-        plain_eval = not self.frozen and not fused
+        if mask is not None:
+            check_mask(mask, input, self._label())
+        plain_eval = not self.frozen and not self._fuses(z)
         if plain_eval or not takes_our_kernels(input, fixed_stats=True):
             # torch's own eval-mode batch norm (bit-exact, double-differentiable), act unfused
             y = F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)

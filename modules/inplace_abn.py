@@ -158,7 +158,7 @@ class InPlaceABN(ABN):
         self._check_writable(input)
         return self._forward(input, None)
 
-    def _forward_fixed_stats(self, input: Tensor, z: Tensor | None) -> Tensor:
+    def _forward_fixed_stats(self, input: Tensor, z: Tensor | None, mask: Tensor | None = None) -> Tensor:
         return self._inplace(input, batch_stats=False)
 
     def _forward_lone(self, input: Tensor, z: Tensor | None, mask: Tensor | None = None) -> Tensor:

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..functions.torch_internals import tree_flatten, tree_unflatten
+from ..functions.torch_internals import is_compiled_module, tree_flatten, tree_unflatten
 from ..functions.synchronization.replica_backward import (
     GatherWithReplicaBackward, Piece, ReplicaInput, ReplicaRun, gather, record_in_place_writes,
 )
@@ -40,14 +40,38 @@ Cuts = dict[int, tuple[Tensor, int]]
 along ``dim``)."""
 
 
-def _scatter(obj: Any, devices: Sequence[torch.device], dim: int, cuts: Cuts | None = None) -> list[Any]:
-    """Split tensors along ``dim`` into at most len(devices) chunks (as Tensor.chunk does: batch
-    10 on 4 devices is 3, 3, 3, 1), one per device; containers are split element by element
-    and other objects are shared. The result has as many entries as the fewest chunks.
+def _batch_size(obj: Any, dim: int) -> int:
+    """The largest size along ``dim`` of the tensors in ``obj`` (0 where there are none)."""
+    if isinstance(obj, Tensor):
+        return obj.size(dim) if obj.dim() > dim else 0
+    if isinstance(obj, (tuple, list)):
+        return max((_batch_size(item, dim) for item in obj), default=0)
+    if isinstance(obj, dict):
+        return max((_batch_size(item, dim) for item in obj.values()), default=0)
+    return 0
+
+
+def _scatter(
+    obj: Any, devices: Sequence[torch.device], dim: int, batch: int, name: str, cuts: Cuts | None = None
+) -> list[Any]:
+    """Split tensors of the ``batch`` size along ``dim`` into at most len(devices) chunks (as
+    Tensor.chunk does: batch 10 on 4 devices is 3, 3, 3, 1), one per device; a tensor of size 1
+    there (a broadcast mask) or of too few dims reaches every device whole, as it broadcasts
+    against the batch; another size raises, naming the argument (``name``). Containers are split
+    element by element and other objects are shared. The result has as many entries as the
+    fewest chunks.
 
     With ``cuts``, chunks are cut off the tensors detached (outside autograd) and each is
     recorded in ``cuts``; without, the chunks stay in the caller's graph."""
     if isinstance(obj, Tensor):
+        size = obj.size(dim) if obj.dim() > dim else None
+        if size is None or (size == 1 and batch > 1):
+            return [obj.to(device) for device in devices]
+        if size != batch:
+            raise ValueError(
+                f"ThreadedDataParallel: {name} has size {size} along dim {dim}, but the batch has {batch}: it can be "
+                f"neither split into one chunk per replica nor broadcast (size 1); give it size {batch} or 1 there"
+            )
         chunks = (obj.detach() if cuts is not None else obj).chunk(len(devices), dim)
         parts = [chunk.to(device) for chunk, device in zip(chunks, devices)]
         if cuts is not None:
@@ -57,12 +81,15 @@ def _scatter(obj: Any, devices: Sequence[torch.device], dim: int, cuts: Cuts | N
                 start += part.size(dim)
         return parts
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return [type(obj)(*parts) for parts in zip(*(_scatter(item, devices, dim, cuts) for item in obj))]
+        split = (_scatter(item, devices, dim, batch, f"{name}.{field}", cuts) for field, item in zip(obj._fields, obj))
+        return [type(obj)(*parts) for parts in zip(*split)]
     if isinstance(obj, (tuple, list)) and len(obj) > 0:
-        return [type(obj)(parts) for parts in zip(*(_scatter(item, devices, dim, cuts) for item in obj))]
+        split = (_scatter(item, devices, dim, batch, f"{name}[{i}]", cuts) for i, item in enumerate(obj))
+        return [type(obj)(parts) for parts in zip(*split)]
     if isinstance(obj, dict) and len(obj) > 0:
         keys = list(obj)
-        return [type(obj)(zip(keys, parts)) for parts in zip(*(_scatter(obj[k], devices, dim, cuts) for k in keys))]
+        split = (_scatter(obj[k], devices, dim, batch, f"{name}[{k!r}]", cuts) for k in keys)
+        return [type(obj)(zip(keys, parts)) for parts in zip(*split)]
     return [obj for _ in devices]
 
 
@@ -71,8 +98,13 @@ def _scatter_kwargs(
 ) -> tuple[list[tuple], list[dict]]:
     if not inputs and not kwargs:
         inputs = ((),)
-    split_inputs = _scatter(inputs, devices, dim, cuts) if inputs else []
-    split_kwargs = _scatter(kwargs, devices, dim, cuts) if kwargs else []
+    batch = _batch_size((inputs, kwargs), dim)
+    split_inputs = [
+        tuple(parts) for parts in zip(*(_scatter(arg, devices, dim, batch, f"argument {i}", cuts) for i, arg in enumerate(inputs)))
+    ] if inputs else []
+    split_kwargs = [
+        dict(zip(kwargs, parts)) for parts in zip(*(_scatter(kwargs[k], devices, dim, batch, f"{k}=", cuts) for k in kwargs))
+    ] if kwargs else []
     # non-tensors are shared by every device, so the fewest tensor chunks decide the count
     count = min(len(split_inputs), len(split_kwargs)) if inputs and kwargs else max(len(split_inputs), len(split_kwargs))
     split_inputs, split_kwargs = split_inputs[:count], split_kwargs[:count]
@@ -170,6 +202,13 @@ class ThreadedDataParallel(nn.Module):
         super().__init__()
         if len(devices) == 0:
             raise ValueError("ThreadedDataParallel needs at least one device")
+        if any(is_compiled_module(m) for m in module.modules()):
+            raise TypeError(
+                "ThreadedDataParallel: the module is (or holds) a torch.compile'd module, whose compiled code cannot "
+                "be replicated into threads; pass the model itself, ThreadedDataParallel(model) (the replicas run "
+                "eagerly, as under torch.compile(ThreadedDataParallel(model))), or compile it under DDP, one process "
+                "per device (docs/toolchain.md)"
+            )
         self.timeout = resolve_timeout(timeout)
         self.module = module
         self.devices = [_normalize_device(d) for d in devices]

@@ -81,16 +81,19 @@ namespace {
 
 void check_parts_agree(const std::vector<StatsPart>& parts, const std::string& layer) {
   const auto disagrees = [&](const StatsPart& part) {
-    return part.mean.numel() != parts[0].mean.numel() || part.dtype != parts[0].dtype;
+    return part.mean.numel() != parts[0].mean.numel() || part.dtype != parts[0].dtype ||
+           (part.count >= 0) != (parts[0].count >= 0);
   };
   if (std::none_of(parts.begin(), parts.end(), disagrees)) return;
   std::vector<int64_t> channels;
   std::vector<at::ScalarType> dtypes;
+  std::vector<bool> masked;
   for (const auto& part : parts) {
     channels.push_back(part.mean.numel());
     dtypes.push_back(part.dtype);
+    masked.push_back(part.count >= 0);
   }
-  raise_failed_check("check_inputs_agree", layer, channels, dtypes);
+  raise_failed_check("check_inputs_agree", layer, channels, dtypes, masked);
 }
 
 // More than one value per channel over the replicas (with a mask: more than one valid position).

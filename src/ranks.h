@@ -48,8 +48,9 @@ class Ranks {
     layer_id_ = native[0].cast<double>();
     number_ = native[1].cast<double>();
     dtype_code_ = native[2].cast<double>();
-    world_ = native[3].cast<int64_t>();
-    reads_at_once_ = native[4].cast<bool>();
+    masked_dtype_code_ = native[3].cast<double>();
+    world_ = native[4].cast<int64_t>();
+    reads_at_once_ = native[5].cast<bool>();
   }
   Ranks(const Ranks&) = delete;
   Ranks& operator=(const Ranks&) = delete;
@@ -100,7 +101,7 @@ class Ranks {
                                            const std::vector<int64_t>& sizes, const MasterCall& call, bool masked) {
     const bool reads_at_once = reads_at_once_ || masked;
     const auto& layout = row_layout();
-    std::vector<double> head{layer_id_, number_, dtype_code_, 0.0, double(sizes.size())};
+    std::vector<double> head{layer_id_, number_, masked ? masked_dtype_code_ : dtype_code_, 0.0, double(sizes.size())};
     for (int64_t d = 0; d < layout.shape_dims; ++d) head.push_back(d < int64_t(sizes.size()) ? double(sizes[d]) : 0.0);
     head.push_back(double(count));
     const auto row = ops().pack_row.call(head, mean, m2);
@@ -166,7 +167,7 @@ class Ranks {
   }
 
   PyObject* sync_;
-  double layer_id_ = 0, number_ = 0, dtype_code_ = -1;
+  double layer_id_ = 0, number_ = 0, dtype_code_ = -1, masked_dtype_code_ = -1;
   int64_t world_ = 1;
   bool reads_at_once_ = true;
   int64_t count_ = -1;       // the global count, where the checks are read at once

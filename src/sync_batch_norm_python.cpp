@@ -1,6 +1,8 @@
 // The native synchronized calls' Python face, called by syncbn.functions.synchronization.synchronizer:
 // the round, the calls run without the GIL with their errors raised as Python sees them, and the
 // graph task's reading.
+#include <torch/csrc/autograd/python_cpp_function.h>
+
 #include "graph_task.h"
 #include "meeting.h"
 #include "ranks.h"
@@ -49,6 +51,17 @@ pybind11::tuple run_call(const std::shared_ptr<ReplicaRound>& round, int64_t ind
   return py::make_tuple(y, mean, invstd, meeting.ranks->count(count));
 }
 
+// A backward node held weakly (Python's node objects take no weak reference, and a strong one
+// from a Synchronizer would make a cycle through the node's own Ranks): its Python object while it lives.
+struct WeakNode {
+  c10::weak_intrusive_ptr<torch::autograd::Node> node;
+  pybind11::object get() const {
+    const auto alive = node.lock();
+    if (!alive) return pybind11::none();
+    return pybind11::reinterpret_steal<pybind11::object>(torch::autograd::functionToPyObject(alive));
+  }
+};
+
 }  // namespace
 }  // namespace native
 
@@ -89,6 +102,11 @@ void bind_sync_batch_norm(pybind11::module_& m) {
   m.def(
       "use_graph_task_reading", [](bool checked) { graph_task_reading_checked().store(checked); },
       "Whether backward waiters read their graph task's failure (set once the reading was checked)");
+  py::class_<WeakNode>(m, "WeakNode", "A backward node held weakly: calling it gives the node, or None once freed")
+      .def("__call__", &WeakNode::get);
+  m.def(
+      "weak_node", [](const at::Tensor& y) { return WeakNode{c10::weak_intrusive_ptr<torch::autograd::Node>(y.grad_fn())}; },
+      "The backward node that made y (its grad_fn), held weakly");
   m.def("set_replica_sync_error", [](py::object type) {
     replica_sync_error = type.release().ptr();  // kept for the life of the process
   });

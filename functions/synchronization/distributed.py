@@ -44,6 +44,8 @@ FAILED_IDENTITY = -(2.0**40)
 """The layer id and call number that a rank which failed in a backward pass sends: below any sum
 of real ones (whose total stays above -2**40 + world * 2**20), so the sum says how many failed."""
 _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+MASKED_CODE = 16
+"""Added to the dtype code of a masked call's row: ranks that disagree on ``mask=`` disagree there."""
 
 
 def active_process_group(process_group: Any | None, label: Callable[[], str]) -> Any | None:
@@ -110,16 +112,18 @@ def layer_key(layer: str) -> int:
     return key
 
 
-def dtype_code(dtype: torch.dtype) -> int:
-    """The header's code of an input dtype (-1 for others)."""
-    return _DTYPES.index(dtype) if dtype in _DTYPES else -1
+def dtype_code(dtype: torch.dtype, masked: bool = False) -> int:
+    """The header's code of an input dtype (-1 for others), plus :data:`MASKED_CODE` for a masked call."""
+    return (_DTYPES.index(dtype) if dtype in _DTYPES else -1) + (MASKED_CODE if masked else 0)
 
 
-def stats_header(key: int, number: int, dtype: torch.dtype, failed: bool, shape: Sequence, count: Any) -> list:
+def stats_header(
+    key: int, number: int, dtype: torch.dtype, failed: bool, shape: Sequence, count: Any, masked: bool = False
+) -> list:
     """The header of a rank's forward row, as the native call and the traced path send it: its columns (``LAYER`` ...
     ``SHAPE``) and the count last. ``shape`` and ``count`` may be symbolic under torch.compile."""
     dims = list(shape)[:SHAPE_DIMS]
-    return [key, number % LAYER_ID_RANGE, dtype_code(dtype), float(failed), len(shape), *dims,
+    return [key, number % LAYER_ID_RANGE, dtype_code(dtype, masked), float(failed), len(shape), *dims,
             *([0] * (SHAPE_DIMS - len(dims))), count]
 
 
@@ -167,8 +171,17 @@ def _explain_forward(call: ProcessGroupCall, heads: list[list[float]]) -> BaseEx
             f"rank: {ids}); this rank is at call {call.number} of {call.layer}. Every rank must "
             "call each synchronized layer the same number of times, in the same order."
         )
+    masked = [head[DTYPE] >= MASKED_CODE - 1 for head in heads]
+    if any(flag != masked[0] for flag in masked):
+        with_mask = [rank for rank, flag in enumerate(masked) if flag]
+        without = [rank for rank, flag in enumerate(masked) if not flag]
+        return RuntimeError(
+            f"{call.layer}: ranks disagree on mask=: rank(s) {with_mask} pass a mask, rank(s) {without} do not; "
+            "pass one on every rank (an all-True mask where nothing is padded) or on none"
+        )
     if any(head[DTYPE] != heads[0][DTYPE] for head in heads):
-        names = [str(_DTYPES[h[DTYPE]]) if 0 <= h[DTYPE] < len(_DTYPES) else "?" for h in heads]
+        codes = [h[DTYPE] % MASKED_CODE if h[DTYPE] >= 0 else -1 for h in heads]
+        names = [str(_DTYPES[code]) if 0 <= code < len(_DTYPES) else "?" for code in codes]
         return RuntimeError(f"{call.layer}: ranks disagree on the input dtype: {names} (per rank)")
     if total == 1:
         shapes = ", ".join(str(tuple(head[SHAPE : SHAPE + min(head[NDIM], SHAPE_DIMS)])) for head in heads)
@@ -247,11 +260,13 @@ def _explain_summed(call: ProcessGroupCall, identity_sums: list[float]) -> BaseE
 
 def native_ranks(call: ProcessGroupCall, dtype: torch.dtype, device: torch.device) -> tuple:
     """What the native call (``Ranks`` in src/ranks.h) needs of a call to build its
-    rows and judge them itself: (layer id, call number, dtype code, world size, whether the checks
-    are read at once on ``device``). The row layout is this module's (``row_layout()``)."""
+    rows and judge them itself: (layer id, call number, dtype code without and with a mask, world
+    size, whether the checks are read at once on ``device``). The row layout is this module's
+    (``row_layout()``)."""
     number = call.number % LAYER_ID_RANGE
     world = dist.get_world_size(call.group)
-    return float(call.layer_id), float(number), float(dtype_code(dtype)), world, checks.reads_at_once(device)
+    codes = float(dtype_code(dtype)), float(dtype_code(dtype, masked=True))
+    return float(call.layer_id), float(number), *codes, world, checks.reads_at_once(device)
 
 
 def row_layout() -> tuple[int, int, int, int, int]:

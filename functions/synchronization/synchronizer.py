@@ -62,6 +62,7 @@ class Synchronizer:
         self.count: int | Tensor | None = None
         self._joined_collective = False
         self._owed = False  # its forward made a node whose backward meets the ranks
+        self._node: Any = None  # that node, held weakly (the native WeakNode), or None
         self._joined_pass = -2  # the backward pass whose all_reduce it joined (-2: none)
         self.region: object | None = None
         """The non-reentrant checkpointed region (its frame) this call runs in, if any."""
@@ -171,12 +172,13 @@ class Synchronizer:
         on their way to host memory (:func:`syncbn.functions.synchronization.distributed.defer_summed`)."""
         distributed.defer_summed(self.process_call, identities, ready)
 
-    def owe_backward(self) -> None:
-        """This call's forward made a backward node that will meet the ranks, in the checkpointed
+    def owe_backward(self, y: Tensor) -> None:
+        """This call's forward made ``y``, whose backward node will meet the ranks, in the checkpointed
         region :attr:`region` (if any): where a recomputation of that region fails, the failure is
-        told through the latest such call's collective (:meth:`fail_backward`)."""
+        told through the latest such call's collective that the backward pass runs (:meth:`fail_backward`)."""
         if self.process_call is not None:
             self._owed = True
+            self._node = backend.NATIVE_ROUNDS.weak_node(y)
             OWED.add(self)
 
     def fail(self, error: BaseException) -> None:
@@ -238,12 +240,14 @@ class OwedBackwards:
                 self._prune_at = 2 * len(self._calls) + 64
 
     def latest_in(self, region: object) -> Synchronizer | None:
-        """The latest call still owed that ran in ``region``."""
+        """The latest call still owed that ran in ``region`` and whose node the running backward
+        pass executes (an output left out of the loss owes nothing to this pass)."""
         with self._lock:
-            for ref in reversed(self._calls):
-                sync = ref()
-                if sync is not None and sync.region is region and _owes(sync):
-                    return sync
+            owed = [sync for sync in map(lambda ref: ref(), self._calls) if sync is not None and sync.region is region]
+        for sync in reversed(owed):
+            node = sync._node() if sync._node is not None else None
+            if _owes(sync) and node is not None and torch_internals.will_engine_execute(node):
+                return sync
         return None
 
     def report_failure(self, sync: Synchronizer | None) -> None:

@@ -14,12 +14,12 @@ count, then ``backward_elemt``; the weight and bias gradients are the rank's own
 averages them).
 
 The checks cannot read the device on the host inside a graph. The header of every rank's row is
-compared on the device, and ``torch._assert_async`` raises where the ranks disagree on the layer
-or the dtype, or where the whole batch holds one value per channel (on the CPU
-at once; on CUDA as a device-side assert, which ends the process). What the eager path also
-checks and this one does not: the layer's call count (a Python counter would recompile every
-step), and a rank that fails before the collective is not reported to the others (they wait for
-the process group's timeout).
+compared on the device, and ``torch._assert_async`` raises where a rank failed the layer's input
+checks (:func:`report_failure`: it still joins the collective, with a failed flag), where the
+ranks disagree on the layer, the dtype or ``mask=``, or where the whole batch holds one value per
+channel (on the CPU at once; on CUDA as a device-side assert, which ends the process). What the
+eager path also checks and this one does not: the layer's call count (a Python counter would
+recompile every step).
 """
 from __future__ import annotations
 
@@ -47,8 +47,21 @@ def _rank_row(x: Tensor, layer: str, mask: Tensor | None = None) -> Tensor:
         header = stats_header(layer_key(layer), 0, x.dtype, False, x.shape, values_per_channel(x))
         return torch.cat([torch.tensor(header, dtype=STATS_DTYPE, device=x.device), mean, m2])
     mean, m2, count = OVERLOADS.masked_local_stats(x, mask)
-    header = stats_header(layer_key(layer), 0, x.dtype, False, x.shape, 0)[:-1]
+    header = stats_header(layer_key(layer), 0, x.dtype, False, x.shape, 0, masked=True)[:-1]
     return torch.cat([torch.tensor(header, dtype=STATS_DTYPE, device=x.device), count.view(1), mean, m2])
+
+
+def report_failure(group, layer: str, channels: int, device: torch.device, message: str) -> None:
+    """Join the forward's all_gather with a failed flag after this rank's input failed the layer's
+    checks, so that every rank raises at this layer (the others through the merge's verdict);
+    while compiling, this rank's ``message`` is raised by a device-side check after the collective
+    (a Python raise would end the graph before it)."""
+    zeros = torch.zeros(channels, dtype=STATS_DTYPE, device=device)
+    header = torch.tensor(stats_header(layer_key(layer), 0, torch.float64, True, (), 0), dtype=STATS_DTYPE, device=device)
+    row = torch.cat([header, zeros, zeros])
+    rows = torch_internals.functional_collectives().all_gather_tensor(row, 0, group).view(-1, row.numel())
+    if torch.compiler.is_compiling():
+        torch_internals.assert_on_device(rows[:, FAILED].sum() == 0, message)
 
 
 def _gathered_stats(
@@ -68,8 +81,9 @@ def _gathered_stats(
             valid = valid & (total > 0)
     torch_internals.assert_on_device(
         valid,
-        f"{layer}: the ranks disagree on the layer or its dtype, or the whole batch holds one value "
-        "per channel (or its mask one valid position, or none; checked on the device under torch.compile)",
+        f"{layer}: a rank failed at this layer (its own error says why), or the ranks disagree on the layer, its dtype "
+        "or mask=, or the whole batch holds one value per channel (or its mask one valid position, or none; checked "
+        "on the device under torch.compile)",
     )
     if mask is not None:
         with torch.no_grad():
