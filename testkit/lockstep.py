@@ -24,6 +24,18 @@ class Quantity:
     reference: Tensor | None
 
 
+def randomize_affine(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Give every batch norm non-trivial weight and bias, so their gradients mean something."""
+    gen = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.weight is not None:
+            with torch.no_grad():
+                module.weight.copy_(torch.rand(module.weight.shape, generator=gen) + 0.5)
+                if module.bias is not None:
+                    module.bias.copy_(torch.randn(module.bias.shape, generator=gen))
+    return model
+
+
 def train_side_by_side(
     reference: nn.Module,
     ours: nn.Module,

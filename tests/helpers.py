@@ -1,5 +1,6 @@
-"""Shared test helpers: models, replicas made as torch makes them, and the lockstep trainer of the
-ThreadedDataParallel tests (on testkit.lockstep)."""
+"""Shared test helpers: models, replicas made as torch makes them, the lockstep trainer of the
+ThreadedDataParallel tests (on testkit.lockstep), and what the replica tests (tests/test_replicas_*.py)
+share: a module that fails in one replica, and the layers' buffers compared."""
 from __future__ import annotations
 
 import copy
@@ -14,19 +15,7 @@ from torch import Tensor, nn
 from syncbn.functions.synchronization.synchronizer import Synchronizer
 from syncbn import nn as NN
 from syncbn.modules.parallel import ThreadedDataParallel
-from testkit.lockstep import assert_agree, state_quantities, train_side_by_side
-
-
-def randomize_affine(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Give every batch norm non-trivial weight and bias, so their gradients mean something."""
-    gen = torch.Generator().manual_seed(seed)
-    for module in model.modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.weight is not None:
-            with torch.no_grad():
-                module.weight.copy_(torch.rand(module.weight.shape, generator=gen) + 0.5)
-                if module.bias is not None:
-                    module.bias.copy_(torch.randn(module.bias.shape, generator=gen))
-    return model
+from testkit.lockstep import assert_agree, randomize_affine, state_quantities, train_side_by_side
 
 
 def assert_same_state(ref: nn.Module, ours: nn.Module, atol: float | None = None, rtol: float | None = None) -> None:
@@ -198,3 +187,26 @@ def count_exchanges(monkeypatch) -> list[tuple[str, int]]:
 
     monkeypatch.setattr(Synchronizer, "_run", counting)
     return calls
+
+
+class RaiseOn(nn.Module):
+    """Raises (or skips the next layer) in the replica whose chunk has ``batch`` samples."""
+
+    def __init__(self, batch: int, error: type[BaseException] = KeyError) -> None:
+        super().__init__()
+        self.batch, self.error, self.armed = batch, error, True
+
+    def forward(self, x):
+        if self.armed and x.size(0) == self.batch:
+            raise self.error(f"replica with batch {self.batch} fails")
+        return x
+
+
+def buffers_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k}
+
+
+def assert_buffers_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-12, rtol=1e-12, msg=key)

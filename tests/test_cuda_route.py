@@ -3,7 +3,8 @@ dispatcher's registrations), what torch's SyncBN ops give through our wrappers (
 written in plain torch for CPU tensors, ``testkit.torch_cuda_ops``), and that the synchronized
 path makes none of the calls that synchronize the host on CUDA (``testkit.host_reads``: CPU
 tensors stand in for CUDA ones). Across processes, the same is checked in
-tests/test_distributed.py (deferred checks). What only a GPU confirms is in tests/test_cuda.py.
+tests/test_distributed_deferred.py. What only a GPU confirms is in tests/test_cuda_kernels.py,
+tests/test_cuda_layers.py, tests/test_cuda_graphs.py and tests/test_cuda_failures.py.
 """
 from __future__ import annotations
 

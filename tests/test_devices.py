@@ -1,4 +1,4 @@
-"""functions.devices on the CPU (its pinned copy to a GPU is tested in tests/test_cuda.py)."""
+"""functions.devices on the CPU (its pinned copy to a GPU is tested in tests/test_cuda_layers.py)."""
 from __future__ import annotations
 
 import torch

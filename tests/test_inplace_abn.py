@@ -2,7 +2,8 @@
 batch norm with |weight| + eps followed by the activation, alone, under thread replicas (both
 replicate() flavours), frozen and in eval; in place (the output is the input's storage, autograd
 keeps it alone); inplace_abn's state_dict; bad input; the converter. Across processes:
-tests/test_distributed.py (test_inplace_abn_*)."""
+tests/test_distributed_training.py (test_inplace_abn) and tests/test_distributed_compiled.py
+(test_compiled_inplace_abn)."""
 from __future__ import annotations
 
 import copy

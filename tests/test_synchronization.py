@@ -1,7 +1,7 @@
 """functions.synchronization.synchronizer.Synchronizer on its own: who takes part in the collectives, the
 replicas' native calls within a process, and what a failure does (release the round; tell the
 other ranks only while this process has not joined the forward's collective). The collectives
-themselves are stubbed here; tests/test_distributed.py runs them in real processes."""
+themselves are stubbed here; tests/test_distributed_*.py run them in real processes."""
 from __future__ import annotations
 
 import pytest

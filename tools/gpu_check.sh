@@ -6,7 +6,7 @@
 #              build.tar.gz made from this very src/ and setup.py (its build.hash matches)
 #   races      the default CUDA route (what users get): replicas handing results across
 #              streams, stock DataParallel's threading on one GPU (a replica failing in forward
-#              and in backward), the side-stream and host-sync tests: tests/test_cuda.py
+#              and in backward), the side-stream and host-sync tests: tests/test_cuda_layers.py
 #   graphs     a lone training step captured in a CUDA graph and replayed; a synchronized one refused,
 #              its forward and its backward alone
 #   ranks      NCCL with one rank (made to sync), Gloo with CUDA tensors in two processes on the
@@ -74,16 +74,17 @@ fi
 $PY -c "from syncbn import backend_info; print(backend_info())" | tee -a "$LOG"
 
 PYTEST="$PY -m pytest -q -rs -p no:cacheprovider"
-step races 60 $PYTEST --timeout 60 tests/test_cuda.py tests/test_cuda_route.py \
-    -k "not abn and not opcheck and not captur"
-step graphs 30 $PYTEST --timeout 25 tests/test_cuda.py -k "captur"
+step races 60 $PYTEST --timeout 60 tests/test_cuda_kernels.py tests/test_cuda_layers.py tests/test_cuda_failures.py \
+    tests/test_cuda_route.py -k "not abn and not opcheck and not captur"
+step graphs 30 $PYTEST --timeout 25 tests/test_cuda_graphs.py -k "captur"
 step ranks 55 $PY tools/gpu_ranks.py
 OURS="--cuda-kernels compiled"  # our CUDA kernels serve (tests/conftest.py)
 step sanitize 30 compute-sanitizer --tool racecheck --kernel-name kns=syncbn --error-exitcode 9 \
-    $PY -m pytest -q -x -p no:cacheprovider $OURS tests/test_kernels.py -k "cuda and test_each_op and float32 and not 0"
+    $PY -m pytest -q -x -p no:cacheprovider $OURS tests/test_kernels_ops.py -k "cuda and test_each_op and float32 and not 0"
 step synccheck 15 compute-sanitizer --tool synccheck --kernel-name kns=syncbn --error-exitcode 9 \
-    $PY -m pytest -q -x -p no:cacheprovider $OURS tests/test_kernels.py -k "cuda and test_each_op and float32 and not 0"
-step kernels 110 $PYTEST $OURS --timeout 60 -x tests/test_kernels.py tests/test_ops.py tests/test_cuda.py -k cuda
+    $PY -m pytest -q -x -p no:cacheprovider $OURS tests/test_kernels_ops.py -k "cuda and test_each_op and float32 and not 0"
+step kernels 110 $PYTEST $OURS --timeout 60 -x tests/test_kernels_*.py tests/test_ops.py tests/test_cuda_kernels.py \
+    tests/test_cuda_layers.py tests/test_cuda_graphs.py tests/test_cuda_failures.py -k cuda
 step compile 35 $PY - <<'EOF'
 import copy, torch
 from torch import nn

@@ -1,9 +1,11 @@
-"""ThreadedDataParallel as a DataParallel: scatter, gather, gradients, grad mode, errors; also
-for modules without batch norm."""
+"""ThreadedDataParallel as a DataParallel: scatter and gather of arguments and outputs of every
+container type, gradients (per source tensor, of rows no replica got, laid out as the input), grad
+mode, dim, output device and a single device, fewer chunks than devices, in-place ops on the
+chunks and the caller's tensors; also for modules without batch norm. The replicas' threads:
+tests/test_parallel_threads.py."""
 from __future__ import annotations
 
 import threading
-import time
 from collections import namedtuple
 
 import pytest
@@ -11,8 +13,8 @@ import torch
 from torch import nn
 
 from syncbn import nn as NN
-from syncbn.functions import ReplicaSyncError
 from syncbn.modules.parallel import ThreadedDataParallel
+
 
 Pair = namedtuple("Pair", "first second")
 
@@ -51,90 +53,6 @@ def test_scatter_gather_and_grads_without_batch_norm() -> None:
         torch.testing.assert_close(g, g_ref)
 
 
-def test_forward_and_backward_run_replicas_concurrently() -> None:
-    # a barrier that all three replicas must reach together: serial execution would break it.
-    # Each backward runs with autograd multithreading off on its replica thread, so the engine
-    # runs CUDA nodes there too instead of queueing them on its device thread, which (running
-    # the gather's backward, waiting for the replicas) would never take them: the deadlock of
-    # replicas on CUDA
-    forward_barrier, backward_barrier = threading.Barrier(3, timeout=10), threading.Barrier(3, timeout=10)
-    threads: list = []
-    multithreading: list = []
-
-    class Spy(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            threads.append(threading.get_ident())
-            multithreading.append(torch._C._is_multithreading_enabled())
-            backward_barrier.wait()
-            return grad
-
-    class Model(nn.Module):
-        def forward(self, x):
-            forward_barrier.wait()
-            return Spy.apply(x) * 2
-
-    x = torch.randn(6, 2, requires_grad=True)
-    ThreadedDataParallel(Model(), ["cpu"] * 3)(x).sum().backward()
-    assert len(set(threads)) == 3 and threading.get_ident() not in threads
-    assert multithreading == [False] * 3
-    assert torch._C._is_multithreading_enabled()  # the caller's own setting is untouched
-    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
-
-
-def raises_soon(run, release: threading.Event, pattern: str) -> str:
-    """``run()`` raises a ReplicaSyncError matching ``pattern`` within 5 s (its message is
-    returned); then the stuck replica is released."""
-    start = time.monotonic()
-    try:
-        with pytest.raises(ReplicaSyncError, match=pattern) as caught:
-            run()
-        assert time.monotonic() - start < 5
-    finally:
-        release.set()
-    return str(caught.value)
-
-
-def test_a_replica_stuck_outside_the_exchanges_is_named_after_the_timeout() -> None:
-    # without a synchronized layer the wrapper's bound (10 timeouts after the other replica
-    # ended) names the stuck replica, with its stack; with one after its hang point, the other
-    # replica waits in the layer's round, whose own timeout names the layer first (and, the
-    # longer, sets the wrapper's wait after that failure: 3 x 0.2 s)
-    release = threading.Event()
-
-    class StuckOnOneRow(nn.Module):
-        def forward(self, x):
-            if x.size(0) == 1:
-                release.wait(30)
-            return x * 2
-
-    runner = ThreadedDataParallel(StuckOnOneRow(), ["cpu"] * 2, timeout=0.1)
-    message = raises_soon(lambda: runner(torch.randn(3, 2)), release, r"replica\(s\) \[1\] did not finish in time after replicas \[0\]")
-    assert "--- replica 1 (thread" in message and "release.wait(30)" in message  # where it hangs
-    assert runner(torch.randn(4, 2)).shape == (4, 2)  # the next step runs on fresh workers
-
-    release.clear()
-    synced = ThreadedDataParallel(nn.Sequential(StuckOnOneRow(), NN.SyncBatchNorm1d(2, timeout=0.2)), ["cpu"] * 2, timeout=0.1)
-    raises_soon(lambda: synced(torch.randn(3, 2)), release, r"'1', forward call 0 .* \[1\] missing")
-
-
-def test_replicas_that_end_apart_after_the_last_exchange_are_waited_for() -> None:
-    # uneven work after the synchronized layers (chunks of 3 and 1 rows, a head per replica) is
-    # not a hang: the wrapper waits for the slow replica well past the layers' timeouts
-    class SlowTailOnThreeRows(nn.Module):
-        def forward(self, x):
-            if x.size(0) == 3:
-                time.sleep(0.8)
-            return x * 2
-
-    model = nn.Sequential(NN.SyncBatchNorm1d(2, timeout=0.1), SlowTailOnThreeRows())
-    assert ThreadedDataParallel(model, ["cpu"] * 2, timeout=0.1)(torch.randn(5, 2)).shape == (5, 2)  # 3 + 2 rows
-
-
 def test_grad_mode_follows_the_caller() -> None:
     module = Recorder()
     model = ThreadedDataParallel(module, ["cpu"] * 2)
@@ -159,17 +77,6 @@ def test_fewer_chunks_than_devices_and_batch_norm_statistics() -> None:
     torch.testing.assert_close(layer.running_var, ref.running_var)
 
 
-def test_replica_error_is_reraised() -> None:
-    class Boom(nn.Module):
-        def forward(self, x):
-            if x.size(0) == 1:
-                raise ZeroDivisionError("small chunk")
-            return x
-
-    with pytest.raises(ZeroDivisionError, match="small chunk"):
-        ThreadedDataParallel(Boom(), ["cpu"] * 3)(torch.randn(5, 2))
-
-
 def test_needs_devices_and_the_module_on_the_first() -> None:
     with pytest.raises(ValueError):
         ThreadedDataParallel(nn.Linear(2, 2), [])
@@ -182,30 +89,6 @@ def test_names_our_layers_for_error_messages() -> None:
     model = nn.Sequential(nn.Sequential(NN.SyncBatchNorm2d(2)))
     ThreadedDataParallel(model, ["cpu"] * 2)
     assert model[0][0].layer_name == "0.0"
-
-
-def test_backward_runs_under_the_backward_autocast_state() -> None:
-    seen: list = []
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 1
-
-        @staticmethod
-        def backward(ctx, grad):
-            seen.append(torch.is_autocast_enabled("cpu"))
-            return grad
-
-    class Model(nn.Module):
-        def forward(self, x):
-            return Probe.apply(x)
-
-    x = torch.randn(4, 2, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = ThreadedDataParallel(Model(), ["cpu"] * 2)(x)
-    y.sum().backward()
-    assert seen == [False, False]
 
 
 def test_graph_is_freed_by_backward_and_retained_on_request() -> None:
@@ -354,54 +237,3 @@ def test_small_batch_with_non_tensor_keyword_arguments() -> None:
 
     x = torch.randn(2, 3)
     torch.testing.assert_close(ThreadedDataParallel(Model(), ["cpu"] * 4)(x, scale=2.0), x * 2)
-
-
-class _ThreadsSeenInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, seen: list) -> torch.Tensor:  # type: ignore[override]
-        ctx.seen = seen
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        ctx.seen.append(("backward", torch.get_num_threads()))
-        return grad, None
-
-
-class ThreadsSeen(nn.Module):
-    """Records the intra-op threads that torch's kernels get in the replica's thread."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen.append(("forward", torch.get_num_threads()))
-        return _ThreadsSeenInBackward.apply(x, self.seen)
-
-
-@pytest.mark.parametrize("replicas", [2, 3, 4])
-def test_cpu_replicas_share_the_callers_intra_op_threads(replicas: int) -> None:
-    # R replica threads, each starting a team of all the caller's threads, would put R x threads
-    # on the cores; each takes its share instead, and the caller's own setting stays as it was
-    from syncbn.functions.operators import backend
-
-    if backend.EXTENSION is None:
-        pytest.skip("the per-thread setting needs the compiled module")
-    before = torch.get_num_threads()
-    torch.set_num_threads(4)
-    try:
-        probe = ThreadsSeen()
-        runner = ThreadedDataParallel(probe, ["cpu"] * replicas)
-        x = torch.randn(2 * replicas, 3, requires_grad=True)
-        runner(x).sum().backward()
-        share = max(1, 4 // replicas)
-        assert sorted(probe.seen) == sorted([("forward", share)] * replicas + [("backward", share)] * replicas)
-        assert torch.get_num_threads() == 4
-        seen_elsewhere: list[int] = []
-        thread = threading.Thread(target=lambda: seen_elsewhere.append(torch.get_num_threads()))
-        thread.start()
-        thread.join()
-        assert seen_elsewhere == [4]  # a new thread starts from the process-wide value, untouched
-    finally:
-        torch.set_num_threads(before)
