@@ -35,9 +35,10 @@ from torch import Tensor
 
 from . import torch_internals
 
-Statistics = tuple[Tensor, Tensor, "int | Tensor | None"]
-"""A replica's (mean, invstd) of one call, in the accumulation dtype, on its device, and the
-count of values per channel that its backward divides by (the master's; None for the others)."""
+Statistics = tuple[Tensor, Tensor, "int | Tensor | None", "int | None"]
+"""A replica's (mean, invstd) of one call, in the accumulation dtype, on its device, the count of
+values per channel that its backward divides by (the master's; None for the others) and its call
+number across ranks (the process master's; None for the others)."""
 
 Signature = tuple[int, tuple[int, ...], torch.dtype]
 """What a call is in both runs: its layer (``id``; the region holds the layer alive), its input's
@@ -124,6 +125,8 @@ def attach(sync: Any, where: Place | None, call: Signature) -> None:
     where that is non-reentrant (whose recomputation a failure in backward may come from)."""
     sync.given = recall(where, call)
     sync.region = None if where is None or where.reentrant else where.region
+    if sync.given is not None:
+        sync.renumber(sync.given[3])
 
 
 def keeps_nodes(where: Place | None) -> bool:

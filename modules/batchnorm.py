@@ -59,10 +59,8 @@ class SyncBatchNorm(_BatchNorm):
 
     ``forward(x, z=None, *, mask=None)``: ``mask`` (bool, True where valid) takes the batch
     statistics over the valid positions of a padded batch only (:mod:`syncbn.functions.masking`;
-    fixed statistics ignore it); ``z`` (shaped and typed as ``x``) is added before the activation,
-    ``act`` is ``activation`` (identity when None); both fused into the one elementwise pass
-    of forward and of backward (the backward recomputes act's input from ``x``, ``z`` and the
-    statistics). A frozen layer (``frozen=True`` or :meth:`freeze`) normalizes with its running
+    fixed statistics check it, then ignore it); ``z`` (shaped and typed as ``x``) is added before
+    ``act`` (``activation``, identity when None), both fused into one elementwise pass each way. A frozen layer (``frozen=True`` or :meth:`freeze`) normalizes with its running
     statistics in training too, never updates them and never communicates, while weight and
     bias still train: ``nn.BatchNorm*`` in eval mode, whatever the layer's training flag.
 
@@ -87,8 +85,8 @@ class SyncBatchNorm(_BatchNorm):
             Default: None
         negative_slope: the slope below 0 of ``'leaky_relu'``. Default: 0.01
 
-    Shape: input ``(N, C, *)`` of rank >= 2 (the 1d/2d/3d classes check the rank as
-    ``nn.BatchNorm*d`` do); ``z`` the same; output the same shape, dtype and memory format.
+    Shape: input ``(N, C, *)`` of rank >= 2 (the 1d/2d/3d classes check it as ``nn.BatchNorm*d``);
+    ``z`` the same; output the same shape, dtype and memory format.
     """
 
     _expected_ranks: tuple[int, ...] | None = None
@@ -154,7 +152,7 @@ class SyncBatchNorm(_BatchNorm):
         return self
 
     def unfreeze(self) -> "SyncBatchNorm":
-        """Back to batch statistics in training (and running-statistics updates). Returns self."""
+        """Back to batch statistics (and their running updates) in training. Returns self."""
         self.frozen = False
         return self
 
@@ -165,8 +163,7 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"{self._label()}: activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         return slopes[self.activation]
 
-    def _fuses(self, z: Tensor | None) -> bool:
-        """Whether this call has a residual or an activation to fuse."""
+    def _fuses(self, z: Tensor | None) -> bool:  # a residual or an activation to fuse
         return z is not None or self.activation is not None
 
     def _activate(self, y: Tensor, z: Tensor | None) -> Tensor:
@@ -193,7 +190,7 @@ class SyncBatchNorm(_BatchNorm):
             self._check_residual(input, z)
         if input.size(1) != self.num_features:
             raise RuntimeError(f"{self._label()}: expected {self.num_features} channels in dim 1, got input of size {tuple(input.shape)}")
-        if not input.dtype.is_floating_point:  # the dtype's flag: no call into torch
+        if not input.dtype.is_floating_point:
             raise RuntimeError(f"{self._label()}: expected a floating point input, got {input.dtype}")
         # one parameter or buffer stands for all of them: this runs on every call
         name, tensor = ("weight", self.weight) if self.affine else ("running_mean", self.running_mean)
@@ -256,8 +253,7 @@ class SyncBatchNorm(_BatchNorm):
         if not self._lone_call_checked and not torch.compiler.is_compiling():
             self._lone_call_checked = True
             warn_if_data_parallel_meets_no_one()
-        # not for the cumulative average (momentum=None), whose factor torch reads on the host (a
-        # sync on CUDA, and a value that torch.compile(fullgraph=True) and torch.export cannot trace)
+        # not for momentum=None, whose factor torch reads on the host (a CUDA sync; untraceable)
         takes_torch_kernels = mask is None and self.momentum is not None and not takes_our_kernels(input, fixed_stats=False)
         if takes_torch_kernels:
             if values_per_channel(input) == 1:  # the label is made only then: this is the hot path
@@ -266,9 +262,8 @@ class SyncBatchNorm(_BatchNorm):
         return self._batch_stats(sync_batch_norm, input, z, mask)
 
     def _running_state(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """(running_mean, running_var, num_batches_tracked) that a call with batch statistics
-        updates: none outside training; copies in a backward pass, where a forward is a checkpoint's
-        recomputation that meets again (the buffers untouched; compiled graphs have no such pass)."""
+        """(running_mean, running_var, num_batches_tracked) that batch statistics update: none outside
+        training; copies where a forward is a checkpoint's recomputation that meets again."""
         if not (self.training and self.track_running_stats):
             return None, None, None
         state = (self.running_mean, self.running_var, self.num_batches_tracked)
@@ -321,7 +316,7 @@ class SyncBatchNorm(_BatchNorm):
             self._check_input(input, z)
             check_not_transformed(input, label)
             check_not_captured(input, label)
-            y = self._synced(input, z, sync, None if mask is None else positions_mask(mask, input, label))
+            y = self._synced(input, z, sync, self._checked_mask(mask, input, label))
         except BaseException as error:
             sync.fail(error)
             raise
@@ -335,13 +330,19 @@ class SyncBatchNorm(_BatchNorm):
         break; a rank whose input fails the checks still joins the collective: every rank raises here."""
         try:
             self._check_input(input, z)
-            mask = None if mask is None else positions_mask(mask, input, self._label())
+            mask = self._checked_mask(mask, input, self._label())
         except Exception as error:
-            traced_ranks.report_failure(group, self._label(), self.num_features, input.device, error.args[0])
+            traced_ranks.report_failure(group, self._label(), self.num_features, error, input.device)
             if not torch.compiler.is_compiling():
                 raise
             return input  # never used: the failure's device-side check raises first (a raise here ends the graph)
+        return self._traced(input, z, mask, group)
+
+    def _traced(self, input: Tensor, z: Tensor | None, mask: Tensor | None, group: Any) -> Tensor:
         return self._batch_stats(traced_ranks.traced_sync_batch_norm, input, z, mask, group=group)
+
+    def _checked_mask(self, mask: Tensor | None, input: Tensor, label: str) -> Tensor | None:  # as the kernels take it
+        return None if mask is None else positions_mask(mask, input, label)
 
     def _synced(self, input: Tensor, z: Tensor | None, sync: Synchronizer, mask: Tensor | None = None) -> Tensor:
         """The synchronized call itself, its input checked, run natively by ``sync``."""

@@ -21,7 +21,6 @@ from ..functions.synchronization.traced_ranks import traced_inplace_abn
 from ..functions.synchronization.synchronizer import Synchronizer
 
 from .batchnorm import SyncBatchNorm
-from .compiler import record_fx_call
 
 __all__ = ["ABN", "InPlaceABN", "InPlaceABNSync"]
 
@@ -139,36 +138,37 @@ class InPlaceABN(ABN):
         super()._check_activation(label, activation, activation_param)
 
     def forward(self, input: Tensor, z: Tensor | None = None, *, mask: Tensor | None = None) -> Tensor:
-        if mask is not None:
-            raise NotImplementedError(
-                f"{self._label()}: mask= (statistics over a padded batch's valid positions) is not supported in place; "
-                "use ABN, which takes it with the same activation (and fuses leaky_relu)"
-            )
-        if isinstance(input, torch.fx.Proxy):
-            return record_fx_call(self, input, z)
-        if not torch.compiler.is_compiling() and torch_internals.in_selective_recomputation():  # its ops differ from the first run's
-            with torch_internals.outside_dispatch_modes():
-                return self._inplace_forward(input, z)
-        return self._inplace_forward(input, z)
+        return SyncBatchNorm.forward(self, input, z, mask=mask)  # its activation runs in place, not after as ABN's
 
-    def _inplace_forward(self, input: Tensor, z: Tensor | None) -> Tensor:
+    # the checks run where SyncBatchNorm's do, inside a synchronized call: a rank that fails them tells the others
+    def _check_input(self, input: Tensor, z: Tensor | None = None) -> None:
         if z is not None:
             raise TypeError(f"{self._label()}: an in-place activated batch norm takes no residual z")
-        self._check_input(input)
+        super()._check_input(input)
         self._check_writable(input)
-        return self._forward(input, None)
+
+    def _checked_mask(self, mask: Tensor | None, input: Tensor, label: str) -> None:
+        if mask is not None:
+            raise NotImplementedError(
+                f"{label}: mask= (statistics over a padded batch's valid positions) is not supported in place; "
+                "use ABN, which takes it with the same activation (and fuses leaky_relu)"
+            )
 
     def _forward_fixed_stats(self, input: Tensor, z: Tensor | None, mask: Tensor | None = None) -> Tensor:
+        self._check_input(input, z)
+        self._checked_mask(mask, input, self._label())
         return self._inplace(input, batch_stats=False)
 
     def _forward_lone(self, input: Tensor, z: Tensor | None, mask: Tensor | None = None) -> Tensor:
+        self._check_input(input, z)
+        self._checked_mask(mask, input, self._label())
         return self._inplace(input, batch_stats=True)
 
     def _traces(self, input: Tensor) -> bool:
         # the traced in-place kernels take the two layouts only; other inputs meet eagerly
         return super()._traces(input) and input.is_contiguous(memory_format=memory_format_of(input))
 
-    def _forward_traced(self, input: Tensor, z: Tensor | None, group: Any, mask: Tensor | None = None) -> Tensor:
+    def _traced(self, input: Tensor, z: Tensor | None, mask: Tensor | None, group: Any) -> Tensor:
         """Ranks alone in traced code: the exchange as functional collectives (:mod:`syncbn.functions.synchronization.traced_ranks`)."""
         running_mean, running_var, num_batches_tracked = self._running_state()
         return traced_inplace_abn(

@@ -145,8 +145,8 @@ def test_in_place_ops_on_a_chunk_write_to_the_callers_tensor() -> None:
         y.sum().backward()
 
 
-def test_rows_of_an_input_that_no_replica_got_have_zero_gradient() -> None:
-    # y's 3 rows make 3 chunks, so 3 replicas: x's last chunk (row 9) reaches none
+def test_a_tensor_argument_that_is_neither_batch_sized_nor_broadcast_raises_naming_it() -> None:
+    # nn.DataParallel would cut y into 3 chunks and run 3 replicas, leaving x's last rows to none
     x = torch.randn(10, 4, requires_grad=True)
     y = torch.randn(3, 4, requires_grad=True)
 
@@ -154,10 +154,23 @@ def test_rows_of_an_input_that_no_replica_got_have_zero_gradient() -> None:
         def forward(self, x, y):
             return x * y.sum()
 
-    ThreadedDataParallel(Scale(), ["cpu"] * 4)(x, y).sum().backward()
-    assert torch.equal(x.grad[9], torch.zeros(4))
-    # replica j got x's rows 3j..3j+2 and y's row j
-    torch.testing.assert_close(x.grad[:9], y.detach().sum(1).repeat_interleave(3).unsqueeze(1).expand(9, 4))
+    with pytest.raises(ValueError, match=r"argument 1 has size 3 along dim 0, but the batch has 10"):
+        ThreadedDataParallel(Scale(), ["cpu"] * 4)(x, y)
+
+
+def test_a_size_one_tensor_argument_reaches_every_replica_whole() -> None:
+    # a broadcast mask or scale: each replica gets it whole, as the layer broadcasts it over its rows
+    x = torch.randn(6, 4, requires_grad=True)
+    scale = torch.randn(1, 4, requires_grad=True)
+
+    class Scale(nn.Module):
+        def forward(self, x, *, scale):
+            return x * scale
+
+    out = ThreadedDataParallel(Scale(), ["cpu"] * 3)(x, scale=scale)
+    torch.testing.assert_close(out, x * scale)
+    out.sum().backward()
+    torch.testing.assert_close(scale.grad, x.detach().sum(0, keepdim=True))
 
 
 class Uses(nn.Module):

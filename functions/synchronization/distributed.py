@@ -101,6 +101,12 @@ class ProcessGroupSync:
         self._calls += 1
         return call
 
+    def renumber(self, call: ProcessGroupCall, number: int) -> ProcessGroupCall:
+        """``call`` (the last one made) as the earlier call ``number`` again, uncounted: a
+        checkpoint's recomputation, which meets no one in its forward."""
+        self._calls -= 1
+        return call._replace(number=number)
+
 
 def layer_key(layer: str) -> int:
     """A number below :data:`LAYER_ID_RANGE` that tells layers apart across ranks: a polynomial

@@ -69,9 +69,10 @@ class Synchronizer:
         self.native: tuple | None = None  # what the native Ranks reads: distributed.native_ranks
         self.normalization: tuple[Tensor, Tensor] | None = None
         """This replica's (mean, invstd) once the forward has made them."""
-        self.given: tuple[Tensor, Tensor, int | Tensor | None] | None = None
-        """(mean, invstd, count) that a checkpoint's first run kept for this call, its recomputation:
-        the forward takes them and meets no one (:mod:`syncbn.functions.checkpointing`)."""
+        self.given: tuple[Tensor, Tensor, int | Tensor | None, int | None] | None = None
+        """(mean, invstd, count, call number) that a checkpoint's first run kept for this call, its
+        recomputation: the forward takes them and meets no one (:mod:`syncbn.functions.checkpointing`)."""
+        self._process_calls: ProcessGroupSync | None = None
 
     @classmethod
     def for_call(
@@ -91,12 +92,23 @@ class Synchronizer:
         replica_call = handle.next_call() if handle is not None else None
         is_process_master = handle is None or handle.index == 0
         process_call = process_calls.next_call(group, layer) if group is not None and is_process_master else None
-        return cls(replica_call, process_call, layer, channels, device)
+        sync = cls(replica_call, process_call, layer, channels, device)
+        sync._process_calls = process_calls
+        return sync
 
-    def statistics(self) -> tuple[Tensor, Tensor, int | Tensor | None] | None:
-        """This replica's (mean, invstd, count) once the forward ran, for a checkpoint's
+    def renumber(self, number: int | None) -> None:
+        """This call is a recomputation, which meets no one in its forward: it takes its first run's
+        call ``number`` back, so that the ranks count the same calls whether or not a recomputation
+        failed on one of them."""
+        if self.process_call is not None and number is not None and self._process_calls is not None:
+            self.process_call = self._process_calls.renumber(self.process_call, number)
+
+    def statistics(self) -> tuple[Tensor, Tensor, int | Tensor | None, int | None] | None:
+        """This replica's (mean, invstd, count, call number) once the forward ran, for a checkpoint's
         recomputation to be :attr:`given`; None before."""
-        return None if self.normalization is None else (*self.normalization, self.count)
+        if self.normalization is None:
+            return None
+        return (*self.normalization, self.count, None if self.process_call is None else self.process_call.number)
 
     def batch_norm(
         self, input: Tensor, weight: Tensor | None, bias: Tensor | None, running: stats.Running, eps: float,
@@ -212,8 +224,11 @@ class Synchronizer:
         (:func:`syncbn.functions.checkpointing.met_only_its_own`), so that its recomputation meets no
         one, is it the latest call of the region still owed (the engine runs a graph's nodes in
         reverse order of their making). Elsewhere nothing is certain: no report, and the others
-        wait for the collective timeout."""
+        wait for the collective timeout. A call that has joined its own all_reduce in this pass tells
+        no one: the others saw its verdict too, or have moved past it to a collective unknown here."""
         if self.process_call is None or not torch_internals.in_backward_pass():
+            return
+        if self._joined_pass == torch_internals.current_graph_task_id():
             return
         if self.region is None:
             if _owes(self):

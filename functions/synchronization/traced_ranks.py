@@ -51,16 +51,18 @@ def _rank_row(x: Tensor, layer: str, mask: Tensor | None = None) -> Tensor:
     return torch.cat([torch.tensor(header, dtype=STATS_DTYPE, device=x.device), count.view(1), mean, m2])
 
 
-def report_failure(group, layer: str, channels: int, device: torch.device, message: str) -> None:
+def report_failure(group, layer: str, channels: int, error: Exception, device: torch.device) -> None:
     """Join the forward's all_gather with a failed flag after this rank's input failed the layer's
-    checks, so that every rank raises at this layer (the others through the merge's verdict);
-    while compiling, this rank's ``message`` is raised by a device-side check after the collective
-    (a Python raise would end the graph before it)."""
+    checks (``error``), so that every rank raises at this layer (the others through the merge's
+    verdict); while compiling, this rank raises by a device-side check after the collective (a
+    Python raise would end the graph before it), naming the layer and the error's type: its text
+    may hold the call's symbolic shapes, which a graph cannot carry."""
     zeros = torch.zeros(channels, dtype=STATS_DTYPE, device=device)
     header = torch.tensor(stats_header(layer_key(layer), 0, torch.float64, True, (), 0), dtype=STATS_DTYPE, device=device)
     row = torch.cat([header, zeros, zeros])
     rows = torch_internals.functional_collectives().all_gather_tensor(row, 0, group).view(-1, row.numel())
     if torch.compiler.is_compiling():
+        message = f"{layer}: this rank's input failed the layer's checks ({type(error).__name__}; the call run eagerly says why)"
         torch_internals.assert_on_device(rows[:, FAILED].sum() == 0, message)
 
 
