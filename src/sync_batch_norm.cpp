@@ -53,6 +53,10 @@ struct MeetingBackward : public torch::autograd::Node {
   int64_t count = 0;  // values per channel over every replica, where no ranks divide the sums
   std::string layer;
 
+  // Once no one owns the node: its Ranks let go of the Synchronizer, whose weak reference to this
+  // node (an intrusive_ptr's) would otherwise keep the node, its saved tensors and the group alive.
+  void release_resources() override { meeting = Meeting{}; }
+
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     try {
       return apply_as_replica(grads);

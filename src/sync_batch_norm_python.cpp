@@ -52,11 +52,17 @@ pybind11::tuple run_call(const std::shared_ptr<ReplicaRound>& round, int64_t ind
 }
 
 // A backward node held weakly (Python's node objects take no weak reference, and a strong one
-// from a Synchronizer would make a cycle through the node's own Ranks): its Python object while it lives.
+// from a Synchronizer would make a cycle through the node's own Ranks): its Python object while it
+// lives. Held as the installed torch holds nodes (shared_ptr or intrusive_ptr).
 struct WeakNode {
-  c10::weak_intrusive_ptr<torch::autograd::Node> node;
+  using Held = decltype(torch::autograd::Edge::function);
+  using Weak = std::conditional_t<std::is_same_v<Held, std::shared_ptr<torch::autograd::Node>>,
+                                  std::weak_ptr<torch::autograd::Node>, c10::weak_intrusive_ptr<torch::autograd::Node>>;
+  Weak node;
+
+  explicit WeakNode(const Held& held) : node(held) {}
   pybind11::object get() const {
-    const auto alive = node.lock();
+    const Held alive = node.lock();
     if (!alive) return pybind11::none();
     return pybind11::reinterpret_steal<pybind11::object>(torch::autograd::functionToPyObject(alive));
   }
@@ -105,7 +111,7 @@ void bind_sync_batch_norm(pybind11::module_& m) {
   py::class_<WeakNode>(m, "WeakNode", "A backward node held weakly: calling it gives the node, or None once freed")
       .def("__call__", &WeakNode::get);
   m.def(
-      "weak_node", [](const at::Tensor& y) { return WeakNode{c10::weak_intrusive_ptr<torch::autograd::Node>(y.grad_fn())}; },
+      "weak_node", [](const at::Tensor& y) { return WeakNode(y.grad_fn()); },
       "The backward node that made y (its grad_fn), held weakly");
   m.def("set_replica_sync_error", [](py::object type) {
     replica_sync_error = type.release().ptr();  // kept for the life of the process

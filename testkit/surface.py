@@ -157,8 +157,8 @@ class Net(nn.Module):
     def _region(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
         fault, faulty = self.case.fault, self._faulty(x)
         mask2 = mask
-        if faulty and fault == "bad_mask":
-            mask2 = torch.ones(x.size(0) + 2, dtype=torch.bool)  # neither the batch nor 1: never broadcasts
+        if faulty and fault == "bad_mask":  # of no shape that broadcasts, or not bool
+            mask2 = torch.ones(x.size(0) + 2, dtype=torch.bool) if self.case.seed % 2 else torch.ones(x.shape[:1] + x.shape[2:])
             # a frozen layer meets no one: across ranks, the bad mask goes to the first layer that does
             # (a rank failing outside every collective leaves the others to the timeout, docs/limits.md)
             mask = mask if self.case.kind == "frozen" and self.armed == "here" else mask2

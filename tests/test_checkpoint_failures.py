@@ -58,7 +58,7 @@ def _fail_in_a_recomputation(rank: int, world: int, failing: str) -> tuple[str, 
     return "no error", None, time.monotonic() - start
 
 
-@pytest.mark.parametrize("failing", ["a", "b"])
+@pytest.mark.parametrize("failing", ["b"])  # "a", the region's first layer: the generated test's examples
 def test_a_failing_recomputation_frees_every_rank_at_once(failing: str) -> None:
     # the failing rank raises its own error; the other, waiting in a backward collective, learns
     # of it there at once, not after the collective timeout
@@ -91,7 +91,7 @@ class FailingReplica(nn.Module):
         return self.model(x)
 
 
-@pytest.mark.parametrize("failing", ["a", "b"])
+@pytest.mark.parametrize("failing", ["b"])  # "a", the region's first layer: the generated test's examples
 def test_a_failing_recomputation_frees_every_thread_replica_at_once(failing: str) -> None:
     # 3 replicas (3, 3 and 1 rows): the one with 1 row fails; the caller gets its error, at once
     model = FailingReplica(failing, rows=1).to(F64)

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from syncbn.parallel import ThreadedDataParallel
 from testkit.local_group import run_local_group
-from testkit.surface import C, CHECKPOINTS, KINDS, MASKS, Case, Injected, Net, share, step_batch, values_per_channel
+from testkit.surface import C, CHECKPOINTS, KINDS, MASKS, Case, Net, share, step_batch, values_per_channel
 from helpers import run_threads, stock_replicas
 
 TIMEOUT = 20.0
@@ -57,7 +57,9 @@ def cases(draw, wrapper: str) -> Case:
     faults += ["between"] if wrapper not in ("ranks", "compiled") else []  # across ranks: the collective timeout (limits)
     recomputed = checkpoint in ("nonreentrant", "unused") and wrapper != "compiled"
     faults += ["recompute_layer"] * recomputed + ["recompute"] * (recomputed and wrapper != "ranks")  # see "between"
-    case = Case(kind, spatial, draw(st.sampled_from([False, False, True])), rank >= 4 and draw(st.booleans()), sizes,
+    # float32 unmasked: a few valid values far from the padding make sums that cancel beyond its precision
+    float32 = mask is None and draw(st.sampled_from([False, True]))
+    case = Case(kind, spatial, float32, rank >= 4 and draw(st.booleans()), sizes,
                 mask, checkpoint, draw(st.sampled_from(faults)), draw(st.integers(0, len(sizes) - 1)), draw(st.integers(0, 999)))
     assume(case.sizes[case.faulty] > 0 or wrapper in ("ranks", "compiled"))
     assume(all(values_per_channel(case, step_batch(case, step, False)[1]) > 1 for step in range(3)))
@@ -107,8 +109,10 @@ def _stock(case: Case, model: Net, x: torch.Tensor, mask, dy: torch.Tensor) -> t
 RUNNERS = {"one": _on_one, "threads": _in_threads, "stock": _stock}
 
 
-def _compare(case: Case, step: int, got, want, what: str) -> None:
-    torch.testing.assert_close(got.double(), want.double(), **case.tolerance, msg=lambda m: f"{case}\nstep {step} {what}: {m}")
+def _compare(case: Case, step: int, got, want, what: str, scale: float = 1.0) -> None:
+    """``scale``: the largest magnitude that the compared sums hold terms of (rounding scales with it)."""
+    tolerance = dict(case.tolerance, atol=case.tolerance["atol"] * max(scale, 1.0))
+    torch.testing.assert_close(got.double(), want.double(), **tolerance, msg=lambda m: f"{case}\nstep {step} {what}: {m}")
 
 
 def _compare_state(case: Case, step: int, ours: Net, ref: Net, grads: bool = True) -> None:
@@ -116,11 +120,14 @@ def _compare_state(case: Case, step: int, ours: Net, ref: Net, grads: bool = Tru
         mine, theirs = getattr(ours, name), getattr(ref, name)
         for buffer in ("running_mean", "running_var", "num_batches_tracked"):
             _compare(case, step, getattr(mine, buffer), getattr(theirs, buffer), f"{name}.{buffer}")
+        # the weight's and bias' gradients sum terms as large as the weight's gradient (a padded
+        # value far from a few valid ones: a large normalized value), and round on that scale
+        scale = max((float(p.grad.abs().max()) for p in theirs.parameters() if p.grad is not None), default=1.0)
         for param in ("weight", "bias") if grads else ():
             # none and zeros alike: replicas' unused outputs take zero gradients, as under nn.DataParallel
             got, want = (getattr(m, param).grad for m in (mine, theirs))
             zeros = torch.zeros_like(getattr(theirs, param))
-            _compare(case, step, zeros if got is None else got, zeros if want is None else want, f"{name}.{param}.grad")
+            _compare(case, step, zeros if got is None else got, zeros if want is None else want, f"{name}.{param}.grad", scale)
 
 
 def _reference_forward(case: Case, ref: Net, x: torch.Tensor, mask, fault: bool) -> torch.Tensor | None:
@@ -175,8 +182,8 @@ def train(case: Case, run, rank: int | None = None, compiled: bool = False) -> N
             continue
         assert errors is None, f"{case}\nstep {step}: a clean step raised {errors}"
         (y_ref * dy).sum().backward()
-        _compare(case, step, out, y_ref[rows], "output")
-        _compare(case, step, x_ours.grad, x_ref.grad[rows], "input grad")
+        _compare(case, step, out, y_ref[rows], "output", float(y_ref.abs().max()))
+        _compare(case, step, x_ours.grad, x_ref.grad[rows], "input grad", float(x_ref.grad.abs().max()))
         if rank is not None:
             for param in ours.parameters():
                 if param.grad is not None:
@@ -204,27 +211,31 @@ def _judge_fault(case: Case, errors: list[BaseException | None] | None, elapsed:
     assert all(error is not None for error in errors), f"{case}: a participant did not raise: {errors}"
     if faulty is not None:  # the caller's one error, or the faulty replica's or rank's: its own
         assert own in str(faulty), f"{case}: {faulty!r}"
-    else:  # another rank: told at the layer, which it names
-        assert f"({C})" in str(errors[0]) or "(2)" in str(errors[0]), f"{case}: {errors[0]!r}"
+    else:  # another rank: told at the layer, which it names, in the collective it waited in
+        told = {"bad_mask": "a rank failed at this layer" if compiled else "failed before this exchange",
+                "mask_disagrees": "disagree on mask=", "recompute_layer": "failed in this backward pass"}[case.fault]
+        assert f"({C})" in str(errors[0]) and told in str(errors[0]), f"{case}: {errors[0]!r}"
 
 
-@_settings(120)
+@_settings(200)
 @example(Case("bn", (4, 4), False, False, (6,), "broadcast", "none", "none", 0, 1))
 @given(cases("one"))
 def test_on_one_device(case: Case) -> None:
     train(case, _on_one)
 
 
-@_settings(60)
+@_settings(120)
 @example(Case("bn", (4, 4), False, False, (3, 3), "broadcast", "none", "none", 0, 1))
 @example(Case("bn", (4, 4), False, False, (3, 3), "broadcast_channel", "none", "none", 0, 2))
 @example(Case("abn", (3,), False, False, (3, 2), "positions", "none", "mask_disagrees", 1, 3))
+@example(Case("bn", (4, 4), False, False, (3, 3, 1), None, "nonreentrant", "recompute_layer", 2, 6))
 @given(cases("threads"))
 def test_under_thread_replicas(case: Case) -> None:
     train(case, _in_threads)
 
 
-@_settings(30)
+@_settings(60)
+@example(Case("bn", (5, 5), False, False, (4, 4), "positions", "none", "bad_mask", 1, 0))  # a mask not bool
 @given(cases("stock"))
 def test_under_torch_replicate(case: Case) -> None:
     train(case, _stock)
@@ -236,6 +247,7 @@ RANK_EXAMPLES = {
     # a failed recomputation told through an unused head's collective (a SIGABRT); then every rank
     # that learnt of it told again, and the ranks counted the recomputed calls differently
     "ranks": [Case("bn", (4, 4), False, False, (2, 2), "positions", "none", "bad_mask", 1, 4),
+              Case("bn", (4, 4), False, False, (3, 4), None, "nonreentrant", "recompute_layer", 1, 6),
               Case("abn", (4,), False, False, (3, 2), "positions", "unused", "recompute_layer", 1, 5)],
 }
 
@@ -252,6 +264,6 @@ def _ranks_draw(rank: int, world: int, wrapper: str, examples: int) -> str:
     return "ok"
 
 
-@pytest.mark.parametrize("wrapper, examples", [("ranks", 40), ("compiled", 6)])
+@pytest.mark.parametrize("wrapper, examples", [("ranks", 80), ("compiled", 8)])
 def test_across_ranks(wrapper: str, examples: int) -> None:
     assert run_local_group(_ranks_draw, 2, wrapper, examples, timeout_s=TIMEOUT) == ["ok", "ok"]

@@ -90,12 +90,16 @@ def test_an_all_true_mask_is_the_unmasked_layer() -> None:
     torch.testing.assert_close(plain(x), theirs(x), **TOL)
 
 
-def test_frozen_and_eval_layers_ignore_the_mask() -> None:
+def test_frozen_and_eval_layers_check_the_mask_then_ignore_it() -> None:
     x, mask = torch.randn(4, 3, 5, 5, dtype=torch.float64), torch.rand(4, 5, 5) > 0.5
     frozen, evaluated = make_layer(x.shape, frozen=True), make_layer(x.shape).eval()
     for layer in (frozen, evaluated):
         assert torch.equal(layer(x, mask=mask), layer(x))
         assert int(layer.num_batches_tracked) == 0
+        with pytest.raises(RuntimeError, match=r"SyncBatchNorm2d\(3\): mask of size \(5, 2\) does not match"):
+            layer(x, mask=torch.ones(5, 2, dtype=torch.bool))  # the call that raises in training
+        with pytest.raises(TypeError, match=r"SyncBatchNorm2d\(3\): mask must be a bool Tensor"):
+            layer(x, mask=mask.float())
 
 
 def test_double_backward_differentiates_the_masked_definition() -> None:

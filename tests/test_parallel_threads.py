@@ -184,3 +184,15 @@ def test_cpu_replicas_share_the_callers_intra_op_threads(replicas: int) -> None:
         assert seen_elsewhere == [4]  # a new thread starts from the process-wide value, untouched
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_compiled_module_is_refused_naming_the_order_that_works() -> None:
+    # its replicas would be copies of torch's compiled wrapper, which replicate into threads wrongly
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), NN.BatchNorm2d(3))
+    with pytest.raises(TypeError, match=r"torch.compile\(ThreadedDataParallel\(model\)\)"):
+        ThreadedDataParallel(torch.compile(model), ["cpu"] * 2)
+    with pytest.raises(TypeError, match="holds\\) a torch.compile'd module"):
+        ThreadedDataParallel(nn.Sequential(torch.compile(nn.Conv2d(3, 3, 1)), NN.BatchNorm2d(3)), ["cpu"] * 2)
+    runner = torch.compile(ThreadedDataParallel(model, ["cpu"] * 2))
+    x = torch.randn(4, 3, 4, 4)
+    torch.testing.assert_close(runner(x), ThreadedDataParallel(model, ["cpu"] * 2)(x))

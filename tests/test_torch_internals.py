@@ -288,3 +288,30 @@ def test_the_device_assert_and_pytree_are_torch_own() -> None:
     assert len(leaves) == 3
     rebuilt = torch_internals.tree_unflatten(leaves, structure)
     assert rebuilt["x"][1][0] == 2 and rebuilt["x"][0] is leaves[0]
+
+
+def test_the_engine_says_which_nodes_a_backward_pass_runs() -> None:
+    # a failed recomputation is told through a collective whose node the running pass executes
+    x = torch.randn(3, requires_grad=True)
+    used, unused = x * 2, x * 3
+    seen: dict[str, bool] = {}
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        seen["used"] = torch_internals.will_engine_execute(used.grad_fn)
+        seen["unused"] = torch_internals.will_engine_execute(unused.grad_fn)
+        return grad
+
+    used.register_hook(hook)
+    used.exp().sum().backward()
+    assert seen == {"used": True, "unused": False}
+    if backend.NATIVE_ROUNDS is not None:  # the native weak reference gives the node while it lives
+        held = backend.NATIVE_ROUNDS.weak_node(unused)
+        assert held() is not None and held().name() == unused.grad_fn.name()
+        del unused
+        assert held() is None
+
+
+def test_a_compiled_module_is_told_apart_without_loading_the_compiler() -> None:
+    model = nn.Linear(2, 2)
+    assert not torch_internals.is_compiled_module(model)
+    assert torch_internals.is_compiled_module(torch.compile(model))
