@@ -156,21 +156,24 @@ class Net(nn.Module):
 
     def _region(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
         fault, faulty = self.case.fault, self._faulty(x)
-        mask2 = mask
+        mask1 = mask2 = mask
         if faulty and fault == "bad_mask":  # of no shape that broadcasts, or not bool
-            mask2 = torch.ones(x.size(0) + 2, dtype=torch.bool) if self.case.seed % 2 else torch.ones(x.shape[:1] + x.shape[2:])
-            # a frozen layer meets no one: across ranks, the bad mask goes to the first layer that does
-            # (a rank failing outside every collective leaves the others to the timeout, docs/limits.md)
-            mask = mask if self.case.kind == "frozen" and self.armed == "here" else mask2
+            bad = torch.ones(x.size(0) + 2, dtype=torch.bool) if self.case.seed % 2 else torch.ones(x.shape[:1] + x.shape[2:])
+            # to the first layer, checked in every mode; a frozen one meets no one, and across ranks a
+            # rank failing outside every collective leaves the others to the timeout (docs/limits.md)
+            if self.case.kind == "frozen" and self.armed == "here":
+                mask2 = bad
+            else:
+                mask1 = bad
         elif faulty and fault == "mask_disagrees":
-            mask = mask2 = None
+            mask1 = mask2 = None
         elif faulty and fault == "recompute" and _in_backward():
             raise Injected("out of memory in the recomputation")
         z = torch.tanh(x) if self.case.kind in ("fused", "timm_relu") else None
-        h = self.layer1(x * 1.0, z, mask=mask) if z is not None else self.layer1(x * 1.0, mask=mask)
+        h = self.layer1(x * 1.0, z, mask=mask1) if z is not None else self.layer1(x * 1.0, mask=mask1)
         if faulty and fault == "between":
             raise Injected("out of memory between the layers")
-        y = self.layer2(h * 1.0, mask=mask2 if faulty else mask)
+        y = self.layer2(h * 1.0, mask=mask2)
         # the head last: the region's latest synchronized call, whose backward never runs
         return y, self.aux(h[:, :2] * 1.0, mask=mask) if self.case.checkpoint == "unused" else None
 
