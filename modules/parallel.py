@@ -173,7 +173,9 @@ class ThreadedDataParallel(nn.Module):
     """Data parallelism in threads, on any list of devices (CPU included; devices may repeat).
 
     Behaves like ``nn.DataParallel``: scatters positional and keyword tensors along ``dim`` into
-    at most ``len(devices)`` chunks, runs one replica per chunk in its own thread (under the
+    at most ``len(devices)`` chunks (a tensor of size 1 there, a broadcast mask, reaches every
+    replica whole; one of another size than the batch raises, naming it; a ``torch.compile``'d
+    module is refused: compile the wrapper instead), runs one replica per chunk in its own thread (under the
     caller's grad mode and autocast; CPU replicas share the caller's ``torch.get_num_threads()``
     intra-op threads, ``max(1, threads // cpu_replicas)`` each, where the compiled module is
     loaded), and gathers the outputs on ``output_device`` (default
