@@ -55,7 +55,8 @@ struct MeetingBackward : public torch::autograd::Node {
 
   // Once no one owns the node: its Ranks let go of the Synchronizer, whose weak reference to this
   // node (an intrusive_ptr's) would otherwise keep the node, its saved tensors and the group alive.
-  void release_resources() override { meeting = Meeting{}; }
+  // Not marked override: where torch holds nodes in shared_ptr, no base declares it (nor needs it).
+  void release_resources() { meeting = Meeting{}; }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     try {
