@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from syncbn.functions.synchronization.replica_threads import no_automatic_collection
 from syncbn.functions.synchronization.synchronizer import Synchronizer
 from syncbn import nn as NN
 from syncbn.modules.parallel import ThreadedDataParallel
@@ -95,10 +96,11 @@ def run_threads(jobs: Sequence[Callable[[], object]]) -> list[object]:
             results[i] = error
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    with no_automatic_collection():  # as ThreadedDataParallel's: torch's get_rng_state deadlocks otherwise
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
     assert not any(t.is_alive() for t in threads), "a replica thread hung"
     return results
 

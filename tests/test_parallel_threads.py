@@ -196,3 +196,22 @@ def test_a_compiled_module_is_refused_naming_the_order_that_works() -> None:
     runner = torch.compile(ThreadedDataParallel(model, ["cpu"] * 2))
     x = torch.randn(4, 3, 4, 4)
     torch.testing.assert_close(runner(x), ThreadedDataParallel(model, ["cpu"] * 2)(x))
+
+
+def test_replicas_run_without_automatic_garbage_collection() -> None:
+    # torch's get_rng_state allocates under the generator's mutex: a collection started there, with
+    # another replica in checkpoint's fork_rng, deadlocks both (no timeout can end it)
+    import gc
+
+    class Seen(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear, self.collecting = nn.Linear(3, 3), []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.collecting.append(gc.isenabled())
+            return self.linear(x)
+
+    probe = Seen()
+    ThreadedDataParallel(probe, ["cpu"] * 2)(torch.randn(4, 3, requires_grad=True)).sum().backward()
+    assert probe.collecting == [False, False] and gc.isenabled()

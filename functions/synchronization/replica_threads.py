@@ -4,6 +4,7 @@ replica whose failure releases the others at once and whose stragglers are named
 stacks, instead of waited for without end."""
 from __future__ import annotations
 
+import gc
 import queue
 import sys
 import threading
@@ -124,10 +125,11 @@ def run_in_threads(jobs: Sequence[Callable[[], T]], rounds: Sequence[ReplicaRoun
                 ending.notify()
 
     workers = Worker.take(len(jobs))
-    for index, worker in enumerate(workers):
-        worker.submit(lambda index=index: work(index))
-    after_failure = STRAGGLER_TIMEOUTS * max([timeout, *(round.timeout for round in rounds)])
-    stragglers = _wait_for_jobs(ended, errors, ending, TAIL_TIMEOUTS * timeout, after_failure)
+    with no_automatic_collection():
+        for index, worker in enumerate(workers):
+            worker.submit(lambda index=index: work(index))
+        after_failure = STRAGGLER_TIMEOUTS * max([timeout, *(round.timeout for round in rounds)])
+        stragglers = _wait_for_jobs(ended, errors, ending, TAIL_TIMEOUTS * timeout, after_failure)
     Worker.give_back([w for w, done in zip(workers, ended) if done])
     if stragglers:
         errors.append(_stragglers_error(stragglers, ended, [threads[i] for i in stragglers], rounds))
@@ -135,6 +137,22 @@ def run_in_threads(jobs: Sequence[Callable[[], T]], rounds: Sequence[ReplicaRoun
     if failed:
         raise next((e for e in failed if not isinstance(e, ReplicaSyncError)), failed[0])
     return results
+
+
+@contextmanager
+def no_automatic_collection() -> Iterator[None]:
+    """Python's cyclic garbage collector off while replicas run (it runs at the next allocation
+    after): torch's ``Generator.get_state()`` allocates while it holds the generator's mutex, a
+    collection started there frees a tensor with the GIL let go, and a replica that then takes the
+    GIL and waits for that mutex (checkpoint's ``fork_rng``, in every replica's recomputation)
+    deadlocks the two where no timeout can end it (nothing runs Python again)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _wait_for_jobs(
