@@ -45,13 +45,21 @@ def check_inputs_agree(
                 f"{channels[0]} channels of {dtypes[0]}, replica {index} has "
                 f"{count} channels of {dtype}"
             )
-    if any(flag != masked[0] for flag in masked):
-        with_mask = [index for index, flag in enumerate(masked) if flag]
-        without = [index for index, flag in enumerate(masked) if not flag]
-        raise RuntimeError(
-            f"{layer}: replicas disagree on mask=: replica(s) {with_mask} pass a mask, replica(s) {without} "
-            "do not; pass one to every replica (an all-True mask where nothing is padded) or to none"
-        )
+    error = mask_disagreement(layer, masked, "replica")
+    if error is not None:
+        raise error
+
+
+def mask_disagreement(layer: str, masked: Sequence[bool], parts: str) -> RuntimeError | None:
+    """The error where some of the ``parts`` ('replica' or 'rank') pass a mask and others do not."""
+    if all(flag == masked[0] for flag in masked):
+        return None
+    with_mask = [index for index, flag in enumerate(masked) if flag]
+    without = [index for index, flag in enumerate(masked) if not flag]
+    return RuntimeError(
+        f"{layer}: {parts}s disagree on mask=: {parts}(s) {with_mask} pass a mask, {parts}(s) {without} do not; "
+        f"pass one on every {parts} (an all-True mask where nothing is padded) or on none"
+    )
 
 
 def check_not_capturing(capturing: bool, layer: str, direction: str) -> None:

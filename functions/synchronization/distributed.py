@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import checks
+from ..stats import mask_disagreement
 from ..operators.ops import OVERLOADS
 
 SHAPE_DIMS = 8  # input dims carried for error messages; further dims are dropped
@@ -177,14 +178,9 @@ def _explain_forward(call: ProcessGroupCall, heads: list[list[float]]) -> BaseEx
             f"rank: {ids}); this rank is at call {call.number} of {call.layer}. Every rank must "
             "call each synchronized layer the same number of times, in the same order."
         )
-    masked = [head[DTYPE] >= MASKED_CODE - 1 for head in heads]
-    if any(flag != masked[0] for flag in masked):
-        with_mask = [rank for rank, flag in enumerate(masked) if flag]
-        without = [rank for rank, flag in enumerate(masked) if not flag]
-        return RuntimeError(
-            f"{call.layer}: ranks disagree on mask=: rank(s) {with_mask} pass a mask, rank(s) {without} do not; "
-            "pass one on every rank (an all-True mask where nothing is padded) or on none"
-        )
+    disagreement = mask_disagreement(call.layer, [head[DTYPE] >= MASKED_CODE - 1 for head in heads], "rank")
+    if disagreement is not None:
+        return disagreement
     if any(head[DTYPE] != heads[0][DTYPE] for head in heads):
         codes = [h[DTYPE] % MASKED_CODE if h[DTYPE] >= 0 else -1 for h in heads]
         names = [str(_DTYPES[code]) if 0 <= code < len(_DTYPES) else "?" for code in codes]
