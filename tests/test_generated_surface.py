@@ -257,12 +257,12 @@ def test_named_cases(wrapper: str, case: Case) -> None:
 
 @pytest.mark.parametrize("kind, fault", pairs("one"))
 def test_on_one_device(kind: str, fault: str) -> None:
-    _settings(6)(given(cases("one", kind, fault))(lambda case: train(case, _on_one)))()
+    _settings(4)(given(cases("one", kind, fault))(lambda case: train(case, _on_one)))()
 
 
 @pytest.mark.parametrize("kind, fault", pairs("threads"))
 def test_under_thread_replicas(kind: str, fault: str) -> None:
-    _settings(3)(given(cases("threads", kind, fault))(lambda case: train(case, _in_threads)))()
+    _settings(2)(given(cases("threads", kind, fault))(lambda case: train(case, _in_threads)))()
 
 
 @pytest.mark.parametrize("kind, fault", pairs("stock"))
@@ -300,6 +300,6 @@ COMPILED_PAIRS = [("bn", "none"), ("fused", "bad_mask"), ("abn", "mask_disagrees
 """A compile per case costs seconds: these pairs, one case each."""
 
 
-@pytest.mark.parametrize("wrapper, examples", [("ranks", 3), ("compiled", 1)])
+@pytest.mark.parametrize("wrapper, examples", [("ranks", 2), ("compiled", 1)])
 def test_across_ranks(wrapper: str, examples: int) -> None:
     assert run_local_group(_ranks_draw, 2, wrapper, examples, timeout_s=TIMEOUT) == ["ok", "ok"]
