@@ -1,5 +1,5 @@
 // The CUDA kernels of a synchronized batch norm (declared in src/kernels.inc; tested in
-// tests/test_cuda.py). Host declarations only: this header is what src/cuda/bindings.cpp
+// tests/test_cuda_kernels.py). Host declarations only: this header is what src/cuda/bindings.cpp
 // (compiled by the C++ compiler) sees of the kernels in src/cuda/*.cu.
 #pragma once
 
