@@ -155,14 +155,10 @@ class InPlaceABN(ABN):
             )
 
     def _forward_fixed_stats(self, input: Tensor, z: Tensor | None, mask: Tensor | None = None) -> Tensor:
-        self._check_input(input, z)
-        self._checked_mask(mask, input, self._label())
-        return self._inplace(input, batch_stats=False)
+        return self._inplace(input, z, mask, batch_stats=False)
 
     def _forward_lone(self, input: Tensor, z: Tensor | None, mask: Tensor | None = None) -> Tensor:
-        self._check_input(input, z)
-        self._checked_mask(mask, input, self._label())
-        return self._inplace(input, batch_stats=True)
+        return self._inplace(input, z, mask, batch_stats=True)
 
     def _traces(self, input: Tensor) -> bool:
         # the traced in-place kernels take the two layouts only; other inputs meet eagerly
@@ -192,8 +188,10 @@ class InPlaceABN(ABN):
         running = (*self._running_state(), self.momentum)
         return sync.inplace_abn(input, self.weight, self.bias, running, self.eps, self.activation, self.activation_param)
 
-    def _inplace(self, input: Tensor, batch_stats: bool) -> Tensor:
-        """On this input alone: batch statistics update the running ones (_running_state); fixed ones are read."""
+    def _inplace(self, input: Tensor, z: Tensor | None, mask: Tensor | None, batch_stats: bool) -> Tensor:
+        """On this input alone, checked: batch statistics update the running ones (_running_state); fixed ones are read."""
+        self._check_input(input, z)
+        self._checked_mask(mask, input, self._label())
         running_mean, running_var, num_batches_tracked = (
             self._running_state() if batch_stats else (self.running_mean, self.running_var, None))
         return inplace_abn(

@@ -207,12 +207,16 @@ def defer_gathered(call: ProcessGroupCall, valid: Tensor, headers: Tensor, ready
     checks.defer_read(headers, ready, lambda values: _explain_forward(call, values), valid)
 
 
+def failed_row(key: int, number: int, channels: int, device: torch.device) -> Tensor:
+    """The forward row of a rank that failed before the exchange: its failed flag, no statistics."""
+    zeros = torch.zeros(channels, dtype=torch.float64, device=device)
+    return OVERLOADS.pack_row(stats_header(key, number, torch.float64, True, torch.Size(), 0), zeros, zeros)
+
+
 def report_failure(call: ProcessGroupCall, channels: int, device: torch.device) -> None:
     """Join the forward's all_gather with a failed flag (after a local error such as bad
     input), so that the other ranks raise at once instead of waiting for the timeout."""
-    zeros = torch.zeros(channels, dtype=torch.float64, device=device)
-    header = stats_header(call.layer_id, call.number, torch.float64, True, torch.Size(), 0)
-    all_gather_rows(OVERLOADS.pack_row(header, zeros, zeros), call)
+    all_gather_rows(failed_row(call.layer_id, call.number, channels, device), call)
 
 
 def _explain_backward(call: ProcessGroupCall, world: int, identity_sums: list[float]) -> BaseException | None:

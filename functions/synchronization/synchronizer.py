@@ -190,7 +190,8 @@ class Synchronizer:
         told through the latest such call's collective that the backward pass runs (:meth:`fail_backward`)."""
         if self.process_call is not None:
             self._owed = True
-            self._node = backend.NATIVE_ROUNDS.weak_node(y)
+            if self.region is not None:  # only a region's failed recomputation asks which node runs
+                self._node = backend.NATIVE_ROUNDS.weak_node(y)
             OWED.add(self)
 
     def fail(self, error: BaseException) -> None:
@@ -258,7 +259,7 @@ class OwedBackwards:
         """The latest call still owed that ran in ``region`` and whose node the running backward
         pass executes (an output left out of the loss owes nothing to this pass)."""
         with self._lock:
-            owed = [sync for sync in map(lambda ref: ref(), self._calls) if sync is not None and sync.region is region]
+            owed = [sync for sync in (ref() for ref in self._calls) if sync is not None and sync.region is region]
         for sync in reversed(owed):
             node = sync._node() if sync._node is not None else None
             if _owes(sync) and node is not None and torch_internals.will_engine_execute(node):

@@ -33,7 +33,7 @@ from torch.autograd.function import Function
 from ..operators import reference
 from .. import torch_internals
 from ..operators.ops import OVERLOADS
-from .distributed import DTYPE, FAILED, HEADER_SIZE, layer_key, stats_header
+from .distributed import DTYPE, FAILED, HEADER_SIZE, failed_row, layer_key, stats_header
 from ..operators.reference import STATS_DTYPE, accumulation_dtype, memory_format_of, values_per_channel
 from ..stats import Running
 from ..inplace_abn import inplace_abn_backward
@@ -57,9 +57,7 @@ def report_failure(group, layer: str, channels: int, error: Exception, device: t
     verdict); while compiling, this rank raises by a device-side check after the collective (a
     Python raise would end the graph before it), naming the layer and the error's type: its text
     may hold the call's symbolic shapes, which a graph cannot carry."""
-    zeros = torch.zeros(channels, dtype=STATS_DTYPE, device=device)
-    header = torch.tensor(stats_header(layer_key(layer), 0, torch.float64, True, (), 0), dtype=STATS_DTYPE, device=device)
-    row = torch.cat([header, zeros, zeros])
+    row = failed_row(layer_key(layer), 0, channels, device)
     rows = torch_internals.functional_collectives().all_gather_tensor(row, 0, group).view(-1, row.numel())
     if torch.compiler.is_compiling():
         message = f"{layer}: this rank's input failed the layer's checks ({type(error).__name__}; the call run eagerly says why)"
