@@ -7,7 +7,7 @@ import inspect
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -25,6 +25,7 @@ from ..functions.synchronization.replicas import (
 )
 
 from .compiler import disable_when_compiling, record_fx_call
+from .drop_in import DropInBatchNorm
 
 __all__ = ["SyncBatchNorm", "SyncBatchNorm1d", "SyncBatchNorm2d", "SyncBatchNorm3d",
            "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "consecutive_rank_groups"]
@@ -40,27 +41,25 @@ def _bias_kwarg(bias: bool) -> dict[str, bool]:
     return {"bias": bias} if _TORCH_BN_TAKES_BIAS else {}
 
 
-class SyncBatchNorm(_BatchNorm):
+class SyncBatchNorm(DropInBatchNorm, _BatchNorm):
     r"""Batch norm whose training statistics cover the whole batch, however it is split, with
     an optional fused residual and activation, and an optional frozen mode.
 
     .. math::
         y = \mathrm{act}\left(\frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot \gamma + \beta + z\right)
 
-    Mean and (biased) variance are taken per channel over the batch and spatial dims of every
-    replica's input together when the layer runs as ``nn.DataParallel`` or
-    :class:`~syncbn.modules.parallel.ThreadedDataParallel` replicas, and of every rank's input when
-    ``process_group`` is given or the default ``torch.distributed`` group has more than one
-    rank (DDP; both levels at once too); on one device in one process it is exactly
-    ``nn.BatchNorm*`` (through ``F.batch_norm``). Running statistics are updated once per step
-    with the unbiased variance, as ``nn.BatchNorm*`` does on the full batch, identically on
-    every rank. Eval never communicates (as ``nn.SyncBatchNorm``): each replica and rank uses its
-    running statistics, or without them its own batch's.
+    Mean and (biased) variance are taken per channel over the batch and spatial dims of every replica's
+    input together when the layer runs as ``nn.DataParallel`` or :class:`~syncbn.modules.parallel.ThreadedDataParallel`
+    replicas, and of every rank's input when ``process_group`` is given or the default ``torch.distributed``
+    group has more than one rank (DDP; both levels at once too); on one device in one process it is exactly
+    ``nn.BatchNorm*`` (through ``F.batch_norm``). Running statistics are updated once per step with the
+    unbiased variance, as ``nn.BatchNorm*`` does on the full batch, identically on every rank. Eval never
+    communicates (as ``nn.SyncBatchNorm``): each replica and rank uses its running statistics, or its own batch's.
 
-    ``forward(x, z=None, *, mask=None)``: ``mask`` (bool, True where valid) takes the batch
-    statistics over the valid positions of a padded batch only (:mod:`syncbn.functions.masking`;
-    fixed statistics check it, then ignore it); ``z`` (shaped and typed as ``x``) is added before
-    ``act`` (``activation``, identity when None), both fused into one elementwise pass each way. A frozen layer (``frozen=True`` or :meth:`freeze`) normalizes with its running
+    ``forward(x, z=None, mask=None)``: ``mask`` (bool, True where valid) takes the batch statistics over
+    the valid positions of a padded batch only (:mod:`syncbn.functions.masking`; fixed statistics check it,
+    then ignore it); ``z`` (shaped and typed as ``x``) is added before ``act`` (``activation``, identity
+    when None), both fused into one elementwise pass each way. A frozen layer (``frozen=True`` or :meth:`freeze`) normalizes with its running
     statistics in training too, never updates them and never communicates, while weight and
     bias still train: ``nn.BatchNorm*`` in eval mode, whatever the layer's training flag.
 
@@ -72,21 +71,19 @@ class SyncBatchNorm(_BatchNorm):
         affine: learn a per-channel weight (and bias). Default: True
         track_running_stats: keep running statistics; without them batch statistics are
             used in eval mode too (each replica's and rank's own, never synchronized). Default: True
-        process_group: the ``torch.distributed`` group to sync over; None: the default group
-            when it is initialized with more than one rank. Every rank of the group must call
-            the layer the same number of times, in the same order; one that never arrives is
-            covered by the group's own timeout (``init_process_group(timeout=...)``). Default: None
+        process_group: the ``torch.distributed`` group to sync over; None: the default group when it
+            has more than one rank. Every rank calls the layer as often, in the same order; one that
+            never arrives is covered by the group's timeout (``init_process_group(timeout=...)``). Default: None
         timeout: seconds a replica waits for the other replicas in its process before raising
             :class:`~syncbn.functions.ReplicaSyncError`. Default: ``$SYNCBN_TIMEOUT``, else 60.
         bias: learn a bias (with ``affine``). Default: True
-        frozen: normalize with the running statistics, never update or sync them (needs
-            ``track_running_stats``). Not part of the state_dict. Default: False
-        activation: ``None``, ``'relu'`` or ``'leaky_relu'``, applied after the residual.
-            Default: None
+        frozen: normalize with the running statistics, never update or sync them (needs ``track_running_stats``).
+            Not part of the state_dict. Default: False
+        activation: ``None``, ``'relu'`` or ``'leaky_relu'``, applied after the residual. Default: None
         negative_slope: the slope below 0 of ``'leaky_relu'``. Default: 0.01
 
-    Shape: input ``(N, C, *)`` of rank >= 2 (the 1d/2d/3d classes check it as ``nn.BatchNorm*d``);
-    ``z`` the same; output the same shape, dtype and memory format.
+    Shape: input ``(N, C, *)`` of rank >= 2 (the 1d/2d/3d classes, subclasses of ``nn.BatchNorm*d``,
+    check it as those); ``z`` the same; output the same shape, dtype and memory format.
     """
 
     _expected_ranks: tuple[int, ...] | None = None
@@ -220,7 +217,8 @@ class SyncBatchNorm(_BatchNorm):
     def _round_settings(self) -> tuple[str, float]:  # a new replica round's layer label and timeout
         return self._label(), resolve_timeout(self.timeout)
 
-    def forward(self, input: Tensor, z: Tensor | None = None, *, mask: Tensor | None = None) -> Tensor:
+    @torch.jit.unused  # TorchScript runs DropInBatchNorm._scripted
+    def _eager(self, input: Tensor, z: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
         if isinstance(input, torch.fx.Proxy):
             return record_fx_call(self, input, z, mask)
         if not torch.compiler.is_compiling() and torch_internals.in_selective_recomputation():  # its ops differ from the first run's
@@ -363,6 +361,9 @@ class SyncBatchNorm(_BatchNorm):
         """Frozen, or eval with running statistics: no update, no communication; a ``mask`` is
         checked as in training, then ignored (the statistics are fixed)."""
         self._check_input(input, z)
+        if self.running_mean is None or self.running_var is None:  # frozen, and its statistics taken away
+            raise ValueError(f"{self._label()}: frozen without running statistics (set to None, as "
+                             "torch.func.replace_all_batch_norm_modules_ does); unfreeze it to use batch statistics")
         if mask is not None:
             check_mask(mask, input, self._label())
         plain_eval = not self.frozen and not self._fuses(z)
@@ -375,19 +376,19 @@ class SyncBatchNorm(_BatchNorm):
         )
 
 
-class SyncBatchNorm1d(SyncBatchNorm):
+class SyncBatchNorm1d(SyncBatchNorm, nn.BatchNorm1d):
     """:class:`SyncBatchNorm` for ``(N, C)`` or ``(N, C, L)`` input, as ``nn.BatchNorm1d``."""
 
     _expected_ranks = (2, 3)
 
 
-class SyncBatchNorm2d(SyncBatchNorm):
+class SyncBatchNorm2d(SyncBatchNorm, nn.BatchNorm2d):
     """:class:`SyncBatchNorm` for ``(N, C, H, W)`` input, as ``nn.BatchNorm2d``."""
 
     _expected_ranks = (4,)
 
 
-class SyncBatchNorm3d(SyncBatchNorm):
+class SyncBatchNorm3d(SyncBatchNorm, nn.BatchNorm3d):
     """:class:`SyncBatchNorm` for ``(N, C, D, H, W)`` input, as ``nn.BatchNorm3d``."""
 
     _expected_ranks = (5,)

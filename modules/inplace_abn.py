@@ -97,9 +97,17 @@ class ABN(SyncBatchNorm):
     def _fuses(self, z: Tensor | None) -> bool:
         return z is not None or self.activation in _FUSED_SLOPE
 
-    def forward(self, input: Tensor, z: Tensor | None = None, *, mask: Tensor | None = None) -> Tensor:
-        y = super().forward(input, z, mask=mask)
+    @torch.jit.unused
+    def _eager(self, input: Tensor, z: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
+        y = super()._eager(input, z, mask)
         return F.elu(y, self.activation_param, inplace=True) if self.activation == "elu" else y
+
+    def _scripted_activation(self, y: Tensor, z: Tensor | None) -> Tensor:
+        if self.activation == "relu":
+            return F.relu(y)
+        if self.activation == "leaky_relu":
+            return F.leaky_relu(y, self.activation_param)
+        return F.elu(y, self.activation_param) if self.activation == "elu" else y
 
 
 class InPlaceABN(ABN):
@@ -137,8 +145,18 @@ class InPlaceABN(ABN):
             )
         super()._check_activation(label, activation, activation_param)
 
-    def forward(self, input: Tensor, z: Tensor | None = None, *, mask: Tensor | None = None) -> Tensor:
-        return SyncBatchNorm.forward(self, input, z, mask=mask)  # its activation runs in place, not after as ABN's
+    @torch.jit.unused
+    def _eager(self, input: Tensor, z: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
+        return SyncBatchNorm._eager(self, input, z, mask)  # its activation runs in place, not after as ABN's
+
+    def _scripted(self, input: Tensor, z: Tensor | None) -> Tensor:
+        if z is not None:
+            raise TypeError("an in-place activated batch norm takes no residual z")
+        return input.copy_(self._scripted_activation(self._scripted_normalized(input, None), None))  # as the eager layer
+
+    def _scripted_scale(self) -> Tensor | None:
+        weight = self.weight
+        return None if weight is None else weight.abs() + self.eps
 
     # the checks run where SyncBatchNorm's do, inside a synchronized call: a rank that fails them tells the others
     def _check_input(self, input: Tensor, z: Tensor | None = None) -> None:

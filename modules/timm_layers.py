@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from .batchnorm import SyncBatchNorm2d
 
@@ -89,12 +90,25 @@ class SyncBatchNormAct2d(SyncBatchNorm2d):
         else:
             self.activation = None
 
-    def forward(self, input: Tensor, z: Tensor | None = None, *, mask: Tensor | None = None) -> Tensor:
+    @torch.jit.unused
+    def _eager(self, input: Tensor, z: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
         if self.activation is not None:  # act is fused (drop is the identity)
-            return super().forward(input, z, mask=mask)
+            return super()._eager(input, z, mask)
         if z is not None:
             raise ValueError(f"{self._label()}: a residual z needs a fused activation (ReLU or LeakyReLU after no drop)")
-        return self.act(self.drop(super().forward(input, mask=mask)))
+        return self.act(self.drop(super()._eager(input, None, mask)))
+
+    def _scripted_activation(self, y: Tensor, z: Tensor | None) -> Tensor:
+        activation = self.activation
+        if activation is not None:  # act is fused (drop is the identity)
+            return F.relu(y) if activation == "relu" else F.leaky_relu(y, self.negative_slope)
+        if z is not None:
+            raise ValueError("a residual z needs a fused activation (ReLU or LeakyReLU after no drop)")
+        return self.act(self.drop(y))
+
+    def _adds_to_torch(self) -> str | None:
+        return super()._adds_to_torch() or (None if type(self.act) is type(self.drop) is nn.Identity
+                                            else f"applies {type(self.drop).__name__} and {type(self.act).__name__}")
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
         if self.num_batches_tracked is None:  # made from timm's frozen layer: no step count, as timm's
