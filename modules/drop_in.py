@@ -37,7 +37,7 @@ class DropInBatchNorm:
 
     def forward(self, input: Tensor, z: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
         if torch.jit.is_scripting():
-            return self._scripted(input, z)
+            return self._scripted(input, z, mask)
         return self._eager(input, z, mask)
 
     @torch.jit.unused
@@ -54,12 +54,12 @@ class DropInBatchNorm:
             )
         return self
 
-    def _scripted(self, input: Tensor, z: Tensor | None) -> Tensor:
+    def _scripted(self, input: Tensor, z: Tensor | None, mask: Tensor | None) -> Tensor:
         """The eval (or frozen) forward in TorchScript."""
-        return self._scripted_activation(self._scripted_normalized(input, z), z)
+        return self._scripted_activation(self._scripted_normalized(input, z, mask), z)
 
-    def _scripted_normalized(self, input: Tensor, z: Tensor | None) -> Tensor:
-        """Normalized with fixed statistics, or the batch's without them; plus the residual."""
+    def _scripted_normalized(self, input: Tensor, z: Tensor | None, mask: Tensor | None) -> Tensor:
+        """Normalized with fixed statistics (which ignore a mask), or the batch's without them; plus the residual."""
         if self.training and not self.frozen:
             raise RuntimeError("a scripted syncbn batch norm runs in eval mode (or frozen) only: call .eval()")
         ranks = self._expected_ranks
@@ -70,6 +70,8 @@ class DropInBatchNorm:
             raise ValueError("expected an input of at least 2 dimensions, got " + str(input.dim()))
         running_mean, running_var = self.running_mean, self.running_var
         batch_stats = running_mean is None or running_var is None
+        if batch_stats and mask is not None:
+            raise RuntimeError("mask= with batch statistics (no running statistics) does not run in TorchScript")
         y = F.batch_norm(input, running_mean, running_var, self._scripted_scale(), self.bias, batch_stats, 0.0, self.eps)
         return y if z is None else y + z
 

@@ -149,10 +149,10 @@ class InPlaceABN(ABN):
     def _eager(self, input: Tensor, z: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
         return SyncBatchNorm._eager(self, input, z, mask)  # its activation runs in place, not after as ABN's
 
-    def _scripted(self, input: Tensor, z: Tensor | None) -> Tensor:
-        if z is not None:
-            raise TypeError("an in-place activated batch norm takes no residual z")
-        return input.copy_(self._scripted_activation(self._scripted_normalized(input, None), None))  # as the eager layer
+    def _scripted(self, input: Tensor, z: Tensor | None, mask: Tensor | None) -> Tensor:
+        if z is not None or mask is not None:
+            raise TypeError("an in-place activated batch norm takes no residual z and no mask")
+        return input.copy_(self._scripted_activation(self._scripted_normalized(input, None, None), None))  # as eager
 
     def _scripted_scale(self) -> Tensor | None:
         weight = self.weight

@@ -242,3 +242,12 @@ def test_script_checks_the_input_rank_as_torchs_layer() -> None:
     scripted = torch.jit.script(NN.BatchNorm2d(4).eval())
     with pytest.raises(torch.jit.Error, match=r"expected an input of \(4,\) dimensions, got 3"):
         scripted(torch.randn(2, 4, 3))
+
+
+def test_script_takes_a_mask_where_statistics_are_fixed_and_refuses_it_for_batch_statistics() -> None:
+    x, mask = torch.randn(2, 4, 3, 3, dtype=torch.float64), torch.rand(2, 3, 3) > 0.3
+    layer = drawn(NN.BatchNorm2d(4)).eval()
+    torch.testing.assert_close(torch.jit.script(layer)(x, None, mask), layer(x, mask=mask), rtol=0, atol=0)
+    batch_stats = torch.jit.script(NN.BatchNorm2d(4, track_running_stats=False).double().eval())
+    with pytest.raises(torch.jit.Error, match="mask= with batch statistics"):
+        batch_stats(x, None, mask)
