@@ -8,7 +8,8 @@ an output left out of the loss) and a fault (none; a malformed mask or a missing
 participant; an exception between the two layers; one in a recomputation) (:mod:`testkit.surface`).
 
 Clean steps are compared with the float64 reference on the full batch: output, input gradient,
-weight and bias gradients, running statistics and num_batches_tracked, then an eval step. A fault
+weight and bias gradients, running statistics and num_batches_tracked, then an eval step (on one
+device, the layer under ``torch.jit.script`` too). A fault
 step must make every participant raise (the faulty one its own error) well within the timeout,
 leave the state as the reference's forward up to the fault leaves it, and the next step exact.
 ``SYNCBN_GENERATED_EXAMPLES=10`` runs ten times more examples."""
@@ -210,6 +211,10 @@ def train(case: Case, run, rank: int | None = None, compiled: bool = False) -> N
         rows = case.rows(rank) if rank is not None else slice(None)
         _compare(case, 9, _main(ours(x[rows].to(case.dtype), share(mask, rows) if rank is not None else mask)),
                  _main(ref(x, mask))[rows], "eval output")
+        if run is _on_one:  # TorchScript runs the eval layer as eager does (a mask ignored: fixed statistics)
+            layer = ours.layer1
+            _compare(case, 9, torch.jit.script(layer)(x.to(case.dtype).clone(), None, mask),
+                     layer(x.to(case.dtype).clone(), mask=mask), "scripted eval output")
         if case.kind != "inplace_abn":  # a malformed mask raises in eval as in training, before any state changes
             with pytest.raises((RuntimeError, TypeError), match=r"mask"):
                 ours.layer1(x[rows].to(case.dtype), mask=torch.ones(x[rows].size(0) + 2, dtype=torch.bool))

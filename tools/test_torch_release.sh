@@ -16,5 +16,5 @@ build_tree "$ENV"
 cd "$ENV/tree"
 "$ENV/bin/python" test.py
 "$ENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_torch_internals.py tests/test_torch_internals_checkpoint.py \
-    tests/test_checkpoint.py tests/test_checkpoint_generated.py tests/test_checkpoint_failures.py \
+    tests/test_checkpoint.py tests/test_checkpoint_generated.py tests/test_checkpoint_failures.py tests/test_drop_in.py \
     tests/test_replicas_failures.py tests/test_replicas_waits.py tests/test_replicas_stock_rounds.py tests/test_replicas_meetings.py
