@@ -194,7 +194,7 @@ def _collector(part: Population) -> Any:
         x = args[0] if args else kwargs.get("input")
         # input the layer rejects (rank, channels, dtype): left for its own error
         if isinstance(x, Tensor) and x.dim() >= 2 and x.size(1) == part.channels and x.is_floating_point():
-            mask = kwargs.get("mask")
+            mask = args[2] if len(args) > 2 else kwargs.get("mask")  # forward(input, z=None, mask=None)
             part.add(x, None if mask is None else positions_mask(mask, x, f"update_bn: {type(module).__name__}"))
 
     return hook

@@ -240,13 +240,20 @@ class MaskedConvNet(nn.Module):
         return self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x), mask=mask))), mask=mask)
 
 
-@pytest.mark.parametrize("form", ["tuple", "dict", "call"])
+class PositionalMaskNet(MaskedConvNet):
+    """The same net passing the mask third in place: ``bn(x, None, mask)``."""
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        return self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x), None, mask))), None, mask)
+
+
+@pytest.mark.parametrize("form", ["tuple", "dict", "call", "positional"])
 def test_update_bn_takes_the_masks_from_the_loader(form: str) -> None:
     generator = torch.Generator().manual_seed(8)
-    model = MaskedConvNet().double()
+    model = (PositionalMaskNet if form == "positional" else MaskedConvNet)().double()
     batches = [(torch.randn(n, 3, 5, 5, generator=generator, dtype=torch.float64), random_mask((n, 3, 5, 5), "positions", generator))
                for n in (3, 4, 2)]
-    loader = {"tuple": batches, "dict": [{"x": x, "mask": m} for x, m in batches],
+    loader = {"tuple": batches, "positional": batches, "dict": [{"x": x, "mask": m} for x, m in batches],
               "call": [{"images": x, "padding": ~m} for x, m in batches]}[form]
     call = (lambda model, batch: model(batch["images"], ~batch["padding"])) if form == "call" else None
     NN.update_bn(loader, model, call=call)
