@@ -1,5 +1,7 @@
 """``ThreadedDataParallel``: ``nn.DataParallel`` on any list of devices, CPU included, with a
-backward thread per replica. Defined in :mod:`syncbn.modules.parallel`."""
+backward thread per replica (defined in :mod:`syncbn.modules.parallel`); ``join``: DDP training on
+uneven inputs, a rank out of batches shadowing the others' steps (:mod:`syncbn.modules.join`)."""
+from .modules.join import join
 from .modules.parallel import ThreadedDataParallel
 
-__all__ = ["ThreadedDataParallel"]
+__all__ = ["ThreadedDataParallel", "join"]
