@@ -132,3 +132,41 @@ def gather_all(tensor: Tensor) -> list[Tensor]:
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, tensor.contiguous())
     return parts
+
+
+class TwoHeads(nn.Module):
+    """A trunk and two heads, the second's output left out of the loss, and a parameter that no
+    step uses: what ``find_unused_parameters=True`` is for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU())
+        self.head, self.aux = nn.Sequential(nn.Conv2d(4, 5, 1), nn.BatchNorm2d(5)), nn.BatchNorm2d(4)
+        self.unused = nn.Linear(2, 2)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        x = self.trunk(x)
+        return self.head(x), self.aux(x)
+
+
+class FlattensByView(nn.Module):
+    """A classifier head that cannot take an empty batch: ``view(x.size(0), -1)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.fc = conv_bn_2d(), nn.Linear(5 * 4 * 5, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.body(x)
+        return self.fc(x.view(x.size(0), -1))
+
+
+class ScalesByMax(nn.Module):
+    """A data-dependent op that an empty batch fails: the batch's largest value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = conv_bn_2d()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.body(x / x.abs().max())

@@ -1,0 +1,56 @@
+"""``syncbn.parallel.join``: DDP training on uneven inputs across 2 and 3 Gloo ranks, each rank
+against a single float64 process that steps on the batches of the ranks that still have one
+(testkit.join_cases): uneven counts, a rank with no batch at all, DDP's divisor, a masked model,
+a checkpointed block, ``find_unused_parameters=True`` with an output left out of the loss, and a
+compiled model. Each behaviour runs on every rank, in one set of processes per world size
+(testkit.process_sets)."""
+from __future__ import annotations
+
+import torch
+
+from testkit.join_cases import Case, TwoHeads, train_in_join
+from testkit.networks import MaskedNet, checkpointed, masked_ours
+from testkit.process_sets import across_processes, process_sets  # noqa: F401 - the fixture of the tests it makes
+
+
+@across_processes(2, 3)
+def test_join_uneven_counts(rank: int, world: int) -> None:
+    # 3/2 and 3/2/1 batches, each rank's last batch a row smaller
+    train_in_join(Case(counts=[3, 2, 1][:world]), rank, world)
+
+
+@across_processes(2, 3)
+def test_join_rank_without_batch(rank: int, world: int) -> None:
+    # rank 1 never has a batch: its empty batch is shaped on example_input
+    train_in_join(Case(counts=[2, 0, 1][:world], example=True), rank, world)
+
+
+@across_processes(2)
+def test_join_divides_by_ranks_with_data(rank: int, world: int) -> None:
+    # divide_by_initial_world_size=False: DDP averages over the ranks not joined, as torch's Join
+    train_in_join(Case(counts=[3, 1], divide_by_initial_world_size=False), rank, world)
+
+
+@across_processes(2, 3)
+def test_join_masked_model(rank: int, world: int) -> None:
+    # the model's forward(x, mask): the empty batch cuts both
+    case = Case(counts=[1, 3, 2][:world], sizes=(3, 4, 4), make_ref=MaskedNet, make_ours=masked_ours, sample=(3, 5, 5), masked=True)
+    train_in_join(case, rank, world)
+
+
+@across_processes(2)
+def test_join_checkpointed_block(rank: int, world: int) -> None:
+    # the shadow step's recomputation meets no one again, as a real step's
+    train_in_join(Case(counts=[2, 3], make_ours=checkpointed), rank, world)
+
+
+@across_processes(2)
+def test_join_find_unused_parameters(rank: int, world: int) -> None:
+    # an output left out of the loss: the shadow step's backward runs through the same outputs
+    train_in_join(Case(counts=[3, 1], make_ref=TwoHeads, ddp=dict(find_unused_parameters=True)), rank, world)
+
+
+@across_processes(2)
+def test_join_compiled_model(rank: int, world: int) -> None:
+    # DDP(torch.compile(model)): the empty batch compiles once more
+    train_in_join(Case(counts=[3, 2], compiled=lambda m: torch.compile(m, backend="aot_eager")), rank, world)
