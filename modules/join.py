@@ -87,7 +87,7 @@ class _UnevenInputs(Joinable):
             self.check_shadowing()
         work = Join.notify_join_context(self)
         if work is not None and not self.divide_by_initial_world_size:
-            self.ddp.reducer._set_forward_pass_work_handle(work, False)
+            uneven.divide_by_ranks_not_joined(self.ddp, work)
 
     def after_step(self, module: nn.Module, args: tuple, output: Any) -> None:
         """Remember which outputs the step's loss reaches, so a shadow step's backward runs

@@ -46,6 +46,13 @@ def empty_batch(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[tuple, dic
     return tree_unflatten(cut, structure)
 
 
+def divide_by_ranks_not_joined(ddp: nn.Module, notice: Any) -> None:
+    """Have DDP average this step's gradients over the ranks that have not joined: the sum of
+    ``notice``, torch's join notice (an async all_reduce of 1 per rank still training), as DDP
+    does itself when it is torch's first ``Joinable`` (the reducer's forward-pass work handle)."""
+    ddp.reducer._set_forward_pass_work_handle(notice, False)
+
+
 def output_tensors(output: Any) -> list[Tensor]:
     """The floating tensors of a model's output (any nesting of tuples, lists and dicts), in order."""
     return [x for x in tree_flatten(output)[0] if isinstance(x, Tensor) and x.is_floating_point()]
