@@ -16,12 +16,14 @@ Per step, with ``W`` ranks of which ``J`` have joined, for a layer of ``C`` chan
   the same arithmetic everywhere), so they stay equal;
 - gradients: the joined ranks' backward sums ``sum_dy``, ``sum_dy_xmu`` are zeros, and DDP
   averages the buckets over ``W`` (``divide_by_initial_world_size=True``, torch's default) or
-  over ``W - J``, as torch's ``Join`` does;
+  over ``W - J``, as torch's ``Join`` does; a step of the ranks still training that computes no
+  gradients, or does not reduce them (``no_sync()``), is shadowed alike;
 - at the end, the parameters and buffers of the highest rank among the last to join are
   broadcast to every rank (a joined rank's optimizer did not step).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -56,7 +58,7 @@ class _UnevenInputs(Joinable):
         self.ddp, self.shadows = ddp, shadows
         self.template = None if example_input is None else uneven.empty_batch(_as_args(example_input), {})
         self.had_batch, self.checked, self.shadowing = False, False, False
-        self.grad_enabled = True
+        self.announced: tuple[Any, torch.Tensor] | None = None
         self.used: list[bool] | None = None
         self.divide_by_initial_world_size = True
         self.handles = [
@@ -78,16 +80,18 @@ class _UnevenInputs(Joinable):
 
     def before_step(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A real step: the verdict at the first, then torch's notice that this rank has not joined
-        (whose count DDP divides by where ``divide_by_initial_world_size=False``)."""
+        (whose count DDP divides by where ``divide_by_initial_world_size=False``), then what kind
+        of step this is, for the joined ranks."""
         if self.shadowing:
             return
         self.template, self.had_batch = uneven.empty_batch(args, kwargs), True
-        self.grad_enabled = torch.is_grad_enabled()
         if not self.checked:
             self.check_shadowing()
         work = Join.notify_join_context(self)
         if work is not None and not self.divide_by_initial_world_size:
             uneven.divide_by_ranks_not_joined(self.ddp, work)
+        if self.shadows:
+            self.announced = uneven.announce_step(self.ddp)
 
     def after_step(self, module: nn.Module, args: tuple, output: Any) -> None:
         """Remember which outputs the step's loss reaches, so a shadow step's backward runs
@@ -122,15 +126,22 @@ class _UnevenInputs(Joinable):
 
     def shadow_step(self) -> None:
         """One step of a rank that has joined: the DDP model forward and backward on the empty
-        batch, under the grad mode of the rank's last step, its stale gradients cleared first (DDP
-        would reduce them), the loss the sum of the outputs the last step's loss reached (zero)."""
+        batch, as the ranks still training step (with or without gradients, under ``no_sync()`` or
+        not), its stale gradients cleared first (DDP would reduce them), the loss the sum of the
+        outputs that the last step's loss reached (zero)."""
+        grad, sync = uneven.step_kind(self.ddp)
         args, kwargs = self.template
         for p in self.ddp.parameters():
             p.grad = None
         self.shadowing = True
         try:
-            with torch.set_grad_enabled(self.grad_enabled):
+            with torch.set_grad_enabled(grad), (nullcontext() if sync else self.ddp.no_sync()):
                 output = self.ddp(*args, **kwargs)
+                tensors = uneven.output_tensors(output)
+                used = self.used if self.used is not None and len(self.used) == len(tensors) else [True] * len(tensors)
+                reached = [t.sum() for t, u in zip(tensors, used) if u and t.requires_grad]
+                if reached:
+                    torch.autograd.backward(reached)
         except Exception as error:
             raise RuntimeError(
                 f"syncbn.parallel.join: the model failed on the empty batch that shadows the other ranks' "
@@ -138,11 +149,6 @@ class _UnevenInputs(Joinable):
             ) from error
         finally:
             self.shadowing = False
-        tensors = uneven.output_tensors(output)
-        used = self.used if self.used is not None and len(self.used) == len(tensors) else [True] * len(tensors)
-        reached = [t.sum() for t, u in zip(tensors, used) if u and t.requires_grad]
-        if reached:
-            torch.autograd.backward(reached)
 
     def sync_final_model(self, is_last_joiner: bool) -> None:
         skip = set(getattr(self.ddp, "parameters_to_ignore", ()))
@@ -182,12 +188,13 @@ class join:  # noqa: N801 - a context manager used as a function, as torch's Joi
         enable: False makes the context do nothing (inputs known to be even).
         throw_on_early_termination: as torch's: every rank raises as soon as one runs out.
 
-    Each loop step is one forward and one backward of ``ddp_model`` (not under ``no_sync()``).
-    Before the first step every rank checks that the model takes an empty batch (once, on the
-    CPU side of the first step, with no gradients and its batch norms in eval) and where one
-    cannot shadow, every rank raises a ``RuntimeError`` naming the rank, the module and the source
-    line. Collectives outside ``ddp_model`` (a metric's all_reduce in the loop) are the caller's:
-    the joined ranks do not shadow them.
+    Each loop step is one call of ``ddp_model`` and at most one backward, alike on the ranks still
+    training; a step under ``ddp_model.no_sync()`` (gradient accumulation) is shadowed under it
+    too. Before the first step every rank checks that it can shadow (the model run once on the
+    empty batch, without gradients and with its batch norms in eval), and where one cannot, every
+    rank raises the same ``RuntimeError`` there, naming the rank and what failed (the module and
+    the source line). Collectives outside ``ddp_model`` (a metric's all_reduce in the loop) are
+    the caller's: the joined ranks do not shadow them.
     """
 
     def __init__(

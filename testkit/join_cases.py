@@ -7,7 +7,8 @@ and buffer (running statistics, num_batches_tracked), and that they are identica
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -28,9 +29,12 @@ LR = 0.05
 @dataclass
 class Case:
     """``counts[r]`` batches on rank r of ``sizes[r]`` rows (its last one a row fewer, where it has
-    more than one) of ``sample``-shaped samples; ``masked``: the model takes ``(x, mask)``."""
+    more than one) of ``sample``-shaped samples; ``masked``: the model takes ``(x, mask)``;
+    ``then``: the counts of a second join over the same model (a second epoch)."""
 
     counts: Sequence[int]
+    then: Sequence[int] = ()
+    first_step: int = 0
     sizes: Sequence[int] = (3, 2, 4)
     make_ref: Callable[[], nn.Module] = conv_bn_2d
     make_ours: Callable[[nn.Module], nn.Module] = NN.convert_sync_batchnorm
@@ -40,10 +44,18 @@ class Case:
     example: bool = False
     compiled: Callable[[nn.Module], nn.Module] | None = None
     ddp: dict[str, Any] = field(default_factory=dict)
+    accumulate: int = 1  # steps per optimizer step, all but the last under ddp.no_sync()
+
+    def epochs(self) -> list["Case"]:
+        second = [replace(self, counts=self.then, then=(), first_step=max(self.counts))] if self.then else []
+        return [self, *second]
 
     def rows(self, rank: int, step: int) -> int:
         size = self.sizes[rank]
         return size - 1 if step == self.counts[rank] - 1 and size > 1 else size
+
+    def reduces(self, step: int) -> bool:
+        return (step + 1) % self.accumulate == 0
 
     def active(self, step: int) -> list[int]:
         return [r for r, count in enumerate(self.counts) if count > step]
@@ -55,7 +67,7 @@ def step_inputs(case: Case, step: int) -> tuple[list[Tensor], dict[int, slice]]:
     for r in case.active(step):
         slices[r] = slice(start, start + case.rows(r, step))
         start += case.rows(r, step)
-    gen = torch.Generator().manual_seed(1000 + step)
+    gen = torch.Generator().manual_seed(1000 + case.first_step + step)
     x = torch.randn(start, *case.sample, generator=gen, dtype=torch.float64) * 3 + 1
     if not case.masked:
         return [x], slices
@@ -78,14 +90,15 @@ def reference_run(case: Case, ref: nn.Module, world: int) -> list[dict[str, Any]
         inputs, _ = step_inputs(case, step)
         x = inputs[0].clone().requires_grad_()
         y = first_output(ref(x, *inputs[1:]))
-        ref.zero_grad(set_to_none=True)
-        (y * upstream(step, y)).sum().backward()
+        if step % case.accumulate == 0:
+            ref.zero_grad(set_to_none=True)
+        (y * upstream(case.first_step + step, y)).sum().backward()
         divisor = world if case.divide_by_initial_world_size else len(case.active(step))
         grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in ref.named_parameters()}
-        records.append(dict(y=y.detach(), x_grad=x.grad, grads=grads, divisor=divisor))
+        records.append(dict(y=y.detach(), x_grad=x.grad, grads=grads if case.reduces(step) else None, divisor=divisor))
         with torch.no_grad():
             for name, p in ref.named_parameters():
-                p -= LR / divisor * grads[name]
+                p -= LR / divisor * grads[name] if case.reduces(step) else 0
     return records
 
 
@@ -94,22 +107,24 @@ def train_in_join(case: Case, rank: int, world: int) -> nn.Module:
     torch.manual_seed(0)
     ref = randomize_affine(case.make_ref()).double()
     ours = case.make_ours(copy.deepcopy(ref))
-    records = reference_run(case, ref, world)
     ddp = DistributedDataParallel(ours if case.compiled is None else case.compiled(ours), **case.ddp)
     optimizer = torch.optim.SGD(ours.parameters(), lr=LR)
-    example = None
-    if case.example:
-        example = tuple(t[:1] for t in step_inputs(case, 0)[0])
-    with join(ddp, example, divide_by_initial_world_size=case.divide_by_initial_world_size):
-        for step in range(case.counts[rank]):
-            inputs, slices = step_inputs(case, step)
-            mine = [t[slices[rank]] for t in inputs]
-            x = mine[0].clone().requires_grad_()
-            y = first_output(ddp(x, *mine[1:]))
-            optimizer.zero_grad(set_to_none=True)
-            (y * upstream(step, records[step]["y"])[slices[rank]]).sum().backward()
-            check_step(step, records[step], slices[rank], y, x, ours)
-            optimizer.step()
+    for epoch in case.epochs():
+        records = reference_run(epoch, ref, world)
+        example = tuple(t[:1] for t in step_inputs(epoch, 0)[0]) if case.example else None
+        with join(ddp, example, divide_by_initial_world_size=case.divide_by_initial_world_size):
+            for step in range(epoch.counts[rank]):
+                inputs, slices = step_inputs(epoch, step)
+                mine = [t[slices[rank]] for t in inputs]
+                x = mine[0].clone().requires_grad_()
+                with nullcontext() if case.reduces(step) else ddp.no_sync():
+                    y = first_output(ddp(x, *mine[1:]))
+                    if step % case.accumulate == 0:
+                        optimizer.zero_grad(set_to_none=True)
+                    (y * upstream(epoch.first_step + step, records[step]["y"])[slices[rank]]).sum().backward()
+                check_step(epoch.first_step + step, records[step], slices[rank], y, x, ours)
+                if case.reduces(step):
+                    optimizer.step()
     for (name, mine), (_, theirs) in zip(ours.state_dict().items(), ref.state_dict().items()):
         torch.testing.assert_close(mine, theirs, **TOL, msg=lambda m: f"after the loop, {name}: {m}")
     assert_identical_on_all_ranks(ours)
@@ -123,7 +138,7 @@ def check_step(step: int, record: dict[str, Any], rows: slice, y: Tensor, x: Ten
     what = f"step {step}"
     torch.testing.assert_close(y.detach(), record["y"][rows], **TOL, msg=lambda m: f"{what} output: {m}")
     torch.testing.assert_close(x.grad, record["x_grad"][rows], **TOL, msg=lambda m: f"{what} input grad: {m}")
-    for name, p in ours.named_parameters():
+    for name, p in ours.named_parameters() if record["grads"] is not None else ():
         grad = torch.zeros_like(p) if p.grad is None else p.grad * record["divisor"]
         torch.testing.assert_close(grad, record["grads"][name], **TOL, msg=lambda m: f"{what} {name} grad: {m}")
 

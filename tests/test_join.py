@@ -1,8 +1,8 @@
 """``syncbn.parallel.join``: DDP training on uneven inputs across 2 and 3 Gloo ranks, each rank
 against a single float64 process that steps on the batches of the ranks that still have one
-(testkit.join_cases): uneven counts, a rank with no batch at all, DDP's divisor, a masked model,
-a checkpointed block, ``find_unused_parameters=True`` with an output left out of the loss, and a
-compiled model. Each behaviour runs on every rank, in one set of processes per world size
+(testkit.join_cases): uneven counts over two joins, a rank with no batch at all, DDP's divisor, a
+masked model, a checkpointed block, ``find_unused_parameters=True`` with an output left out of the
+loss, gradient accumulation under ``no_sync()``, and a compiled model. Each behaviour runs on every rank, in one set of processes per world size
 (testkit.process_sets)."""
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from testkit.process_sets import across_processes, process_sets  # noqa: F401 - 
 
 @across_processes(2, 3)
 def test_join_uneven_counts(rank: int, world: int) -> None:
-    # 3/2 and 3/2/1 batches, each rank's last batch a row smaller
-    train_in_join(Case(counts=[3, 2, 1][:world]), rank, world)
+    # 3/2 and 3/2/1 batches, each rank's last batch a row smaller; then a second join (epoch)
+    train_in_join(Case(counts=[3, 2, 1][:world], then=[1, 2, 2][:world]), rank, world)
 
 
 @across_processes(2, 3)
@@ -46,8 +46,16 @@ def test_join_checkpointed_block(rank: int, world: int) -> None:
 
 @across_processes(2)
 def test_join_find_unused_parameters(rank: int, world: int) -> None:
-    # an output left out of the loss: the shadow step's backward runs through the same outputs
-    train_in_join(Case(counts=[3, 1], make_ref=TwoHeads, ddp=dict(find_unused_parameters=True)), rank, world)
+    # an output left out of the loss: the shadow step's backward runs through the same outputs;
+    # buckets of a parameter or two, so DDP's all_reduces come between the layers' own
+    ddp = dict(find_unused_parameters=True, bucket_cap_mb=1e-4)
+    train_in_join(Case(counts=[3, 1], make_ref=TwoHeads, ddp=ddp), rank, world)
+
+
+@across_processes(2, 3)
+def test_join_gradient_accumulation(rank: int, world: int) -> None:
+    # two steps per optimizer step, the first under ddp.no_sync(): the joined rank shadows it alike
+    train_in_join(Case(counts=[4, 2, 2][:world], accumulate=2), rank, world)
 
 
 @across_processes(2)

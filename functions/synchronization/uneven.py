@@ -53,6 +53,23 @@ def divide_by_ranks_not_joined(ddp: nn.Module, notice: Any) -> None:
     ddp.reducer._set_forward_pass_work_handle(notice, False)
 
 
+def announce_step(ddp: nn.Module) -> tuple[Any, Tensor]:
+    """On a rank still training, at each step: whether its step computes gradients and whether
+    DDP reduces them (not under ``no_sync()``), in one async all_reduce (sum) that a joined rank
+    reads (:func:`step_kind`). The work and its tensor, to keep until the next step."""
+    flags = torch.tensor([int(torch.is_grad_enabled()), int(ddp.require_backward_grad_sync)], device=ddp.device)
+    return dist.all_reduce(flags, group=ddp.process_group, async_op=True), flags
+
+
+def step_kind(ddp: nn.Module) -> tuple[bool, bool]:
+    """On a joined rank, at each step it shadows: (gradients computed, gradients reduced) by the
+    ranks still training, which all run the same loop (the matching all_reduce, sending zeros)."""
+    flags = torch.zeros(2, dtype=torch.int64, device=ddp.device)
+    dist.all_reduce(flags, group=ddp.process_group)
+    grad, sync = flags.tolist()
+    return grad > 0, sync > 0
+
+
 def output_tensors(output: Any) -> list[Tensor]:
     """The floating tensors of a model's output (any nesting of tuples, lists and dicts), in order."""
     return [x for x in tree_flatten(output)[0] if isinstance(x, Tensor) and x.is_floating_point()]
