@@ -113,7 +113,8 @@ class _UnevenInputs(Joinable):
         if self.template is None:
             verdict, message = uneven.NO_EXAMPLE, ""
         else:
-            message = uneven.probe_empty_batch(self.ddp.module, *self.template) or ""
+            device = self.ddp.device if self.ddp.device_ids else None  # where DDP moves the inputs
+            message = uneven.probe_empty_batch(self.ddp.module, *self.template, device) or ""
             verdict = uneven.REJECTED if message else uneven.HAD_BATCH if self.had_batch else uneven.EXAMPLE
         lines = uneven.refusals(uneven.exchange_verdicts(verdict, message, self.ddp.process_group, self.ddp.device))
         if lines:
@@ -138,14 +139,16 @@ class _UnevenInputs(Joinable):
             with torch.set_grad_enabled(grad), (nullcontext() if sync else self.ddp.no_sync()):
                 output = self.ddp(*args, **kwargs)
                 tensors = uneven.output_tensors(output)
-                used = self.used if self.used is not None and len(self.used) == len(tensors) else [True] * len(tensors)
+                known = self.used is not None and len(self.used) == len(tensors) and any(self.used)
+                used = self.used if known else [True] * len(tensors)
                 reached = [t.sum() for t, u in zip(tensors, used) if u and t.requires_grad]
                 if reached:
                     torch.autograd.backward(reached)
         except Exception as error:
             raise RuntimeError(
-                f"syncbn.parallel.join: the model failed on the empty batch that shadows the other ranks' "
-                f"step ({type(error).__name__}: {error}); the other ranks wait until the process group's timeout"
+                f"syncbn.parallel.join: the step that shadows the other ranks' step on an empty batch failed "
+                f"({type(error).__name__}: {error}); where the model raised, the other ranks wait until the "
+                "process group's timeout"
             ) from error
         finally:
             self.shadowing = False
@@ -220,11 +223,16 @@ class join:  # noqa: N801 - a context manager used as a function, as torch's Joi
     def __enter__(self) -> "join":
         if self.enable:
             shadows = not self.throw_on_early_termination
-            self._joinable = _UnevenInputs(self.ddp_model, self.example_input, shadows)
-            self._join = Join(
-                [self._joinable], True, self.throw_on_early_termination,
-                divide_by_initial_world_size=self.divide_by_initial_world_size,
-            )
+            joinable = _UnevenInputs(self.ddp_model, self.example_input, shadows)
+            try:
+                self._join = Join(
+                    [joinable], True, self.throw_on_early_termination,
+                    divide_by_initial_world_size=self.divide_by_initial_world_size,
+                )
+            except BaseException:
+                joinable.remove_hooks()
+                raise
+            self._joinable = joinable
             self._join.__enter__()
         return self
 

@@ -21,8 +21,10 @@ def test_join_uneven_counts(rank: int, world: int) -> None:
 
 @across_processes(2, 3)
 def test_join_rank_without_batch(rank: int, world: int) -> None:
-    # rank 1 never has a batch: its empty batch is shaped on example_input
+    # rank 1 never has a batch: its empty batch is shaped on example_input; where no rank has
+    # one, none needs an example
     train_in_join(Case(counts=[2, 0, 1][:world], example=True), rank, world)
+    train_in_join(Case(counts=[0, 0, 0][:world]), rank, world)
 
 
 @across_processes(2)

@@ -90,12 +90,18 @@ def norms_in_eval(model: nn.Module) -> Iterator[None]:
             m.training = mode
 
 
-def probe_empty_batch(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
-    """Run ``model`` (unwrapped from torch.compile) on the empty batch ``args, kwargs`` without
+def probe_empty_batch(
+    model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any], device: torch.device | None = None
+) -> str | None:
+    """Run ``model`` (unwrapped from torch.compile) on the empty batch ``args, kwargs`` (its
+    tensors moved to ``device`` where given, as DDP with ``device_ids`` moves them) without
     gradients and with its batch norms in eval (:func:`norms_in_eval`): no collective, no state
     changed. None where it runs; else what failed, and where: the innermost module running and
     the model's source line that raised."""
     model = model._orig_mod if is_compiled_module(model) else model
+    if device is not None:
+        leaves, structure = tree_flatten((tuple(args), dict(kwargs)))
+        args, kwargs = tree_unflatten([x.to(device) if isinstance(x, Tensor) else x for x in leaves], structure)
     running: list[str] = []
     names = {m: name or type(model).__name__ for name, m in model.named_modules()}
     hooks = [
