@@ -17,7 +17,7 @@ Per step, with ``W`` ranks of which ``J`` have joined, for a layer of ``C`` chan
 - gradients: the joined ranks' backward sums ``sum_dy``, ``sum_dy_xmu`` are zeros, and DDP
   averages the buckets over ``W`` (``divide_by_initial_world_size=True``, torch's default) or
   over ``W - J``, as torch's ``Join`` does; a step of the ranks still training that computes no
-  gradients, or does not reduce them (``no_sync()``), is shadowed alike;
+  gradients, or does not reduce them (``no_sync()``), or runs under autocast, is shadowed alike;
 - at the end, the parameters and buffers of the highest rank among the last to join are
   broadcast to every rank (a joined rank's optimizer did not step).
 """
@@ -128,15 +128,17 @@ class _UnevenInputs(Joinable):
     def shadow_step(self) -> None:
         """One step of a rank that has joined: the DDP model forward and backward on the empty
         batch, as the ranks still training step (with or without gradients, under ``no_sync()`` or
-        not), its stale gradients cleared first (DDP would reduce them), the loss the sum of the
-        outputs that the last step's loss reached (zero)."""
-        grad, sync = uneven.step_kind(self.ddp)
+        not, under their autocast dtype), its stale gradients cleared first (DDP would reduce
+        them), the loss the sum of the outputs that the last step's loss reached (zero)."""
+        grad, sync, autocast = uneven.step_kind(self.ddp)
         args, kwargs = self.template
         for p in self.ddp.parameters():
             p.grad = None
         self.shadowing = True
         try:
-            with torch.set_grad_enabled(grad), (nullcontext() if sync else self.ddp.no_sync()):
+            with torch.set_grad_enabled(grad), (nullcontext() if sync else self.ddp.no_sync()), torch.autocast(
+                self.ddp.device.type, dtype=autocast, enabled=autocast is not None
+            ):
                 output = self.ddp(*args, **kwargs)
                 tensors = uneven.output_tensors(output)
                 known = self.used is not None and len(self.used) == len(tensors) and any(self.used)

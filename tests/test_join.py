@@ -2,13 +2,18 @@
 against a single float64 process that steps on the batches of the ranks that still have one
 (testkit.join_cases): uneven counts over two joins, a rank with no batch at all, DDP's divisor, a
 masked model, a checkpointed block, ``find_unused_parameters=True`` with an output left out of the
-loss, gradient accumulation under ``no_sync()``, and a compiled model. Each behaviour runs on every rank, in one set of processes per world size
+loss, gradient accumulation under ``no_sync()``, a compiled model; and a loop under autocast,
+against the short rank padded with empty batches by hand. Each behaviour runs on every rank, in one set of processes per world size
 (testkit.process_sets)."""
 from __future__ import annotations
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
-from testkit.join_cases import Case, TwoHeads, train_in_join
+from syncbn import nn as NN
+from syncbn.parallel import join
+from testkit.ddp_lockstep import conv_bn_2d
+from testkit.join_cases import Case, TwoHeads, gather_all, train_in_join
 from testkit.networks import MaskedNet, checkpointed, masked_ours
 from testkit.process_sets import across_processes, process_sets  # noqa: F401 - the fixture of the tests it makes
 
@@ -58,6 +63,34 @@ def test_join_find_unused_parameters(rank: int, world: int) -> None:
 def test_join_gradient_accumulation(rank: int, world: int) -> None:
     # two steps per optimizer step, the first under ddp.no_sync(): the joined rank shadows it alike
     train_in_join(Case(counts=[4, 2, 2][:world], accumulate=2), rank, world)
+
+
+@across_processes(2)
+def test_join_under_autocast(rank: int, world: int) -> None:
+    # a loop under autocast to bfloat16: the shadow step runs under it too, and ends as padding
+    # the short rank with empty batches by hand does
+    states = [autocast_run(rank, pad_by_hand) for pad_by_hand in (False, True)]
+    for name, tensor in states[0].items():
+        assert torch.equal(tensor, states[1][name]), name
+        assert all(torch.equal(tensor, other) for other in gather_all(tensor)), f"{name} differs across ranks"
+
+
+def autocast_run(rank: int, pad_by_hand: bool) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    ours = NN.convert_sync_batchnorm(conv_bn_2d())
+    ddp = DistributedDataParallel(ours)
+    optimizer = torch.optim.SGD(ours.parameters(), lr=0.05)
+    batches = [torch.randn(3, 3, 4, 5, generator=torch.Generator().manual_seed(10 * s + rank)) for s in range(3 - rank)]
+    if pad_by_hand:
+        batches += [batches[-1][:0]] * rank
+    with join(ddp, enable=not pad_by_hand):
+        for x in batches:
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = ddp(x)
+            y.float().square().mean().backward()
+            optimizer.step()
+    return {k: v.detach().clone() for k, v in ours.state_dict().items()}
 
 
 @across_processes(2)

@@ -53,21 +53,31 @@ def divide_by_ranks_not_joined(ddp: nn.Module, notice: Any) -> None:
     ddp.reducer._set_forward_pass_work_handle(notice, False)
 
 
+_AUTOCAST = (None, torch.float16, torch.bfloat16)  # the autocast dtypes a step may run under, None: off
+
+
 def announce_step(ddp: nn.Module) -> tuple[Any, Tensor]:
-    """On a rank still training, at each step: whether its step computes gradients and whether
-    DDP reduces them (not under ``no_sync()``), in one async all_reduce (sum) that a joined rank
-    reads (:func:`step_kind`). The work and its tensor, to keep until the next step."""
-    flags = torch.tensor([int(torch.is_grad_enabled()), int(ddp.require_backward_grad_sync)], device=ddp.device)
-    return dist.all_reduce(flags, group=ddp.process_group, async_op=True), flags
+    """On a rank still training, at each step: whether its step computes gradients, whether DDP
+    reduces them (not under ``no_sync()``), and its autocast dtype on the model's device type, in
+    one async all_reduce (sum) that a joined rank reads (:func:`step_kind`). The work and its
+    tensor, to keep until the next step."""
+    device_type = ddp.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    if dtype not in _AUTOCAST:
+        raise ValueError(f"syncbn.parallel.join shadows steps under autocast to float16 or bfloat16, not {dtype}")
+    flags = [int(torch.is_grad_enabled()), int(ddp.require_backward_grad_sync)] + [int(dtype is d) for d in _AUTOCAST]
+    tensor = torch.tensor(flags, device=ddp.device)
+    return dist.all_reduce(tensor, group=ddp.process_group, async_op=True), tensor
 
 
-def step_kind(ddp: nn.Module) -> tuple[bool, bool]:
-    """On a joined rank, at each step it shadows: (gradients computed, gradients reduced) by the
-    ranks still training, which all run the same loop (the matching all_reduce, sending zeros)."""
-    flags = torch.zeros(2, dtype=torch.int64, device=ddp.device)
+def step_kind(ddp: nn.Module) -> tuple[bool, bool, torch.dtype | None]:
+    """On a joined rank, at each step it shadows: (gradients computed, gradients reduced, the
+    autocast dtype or None) of the ranks still training, which all run the same loop (the
+    matching all_reduce, sending zeros)."""
+    flags = torch.zeros(2 + len(_AUTOCAST), dtype=torch.int64, device=ddp.device)
     dist.all_reduce(flags, group=ddp.process_group)
-    grad, sync = flags.tolist()
-    return grad > 0, sync > 0
+    grad, sync, *autocast = flags.tolist()
+    return grad > 0, sync > 0, next((d for d, n in zip(_AUTOCAST, autocast) if n > 0), None)
 
 
 def output_tensors(output: Any) -> list[Tensor]:
