@@ -4,8 +4,11 @@ needs to shadow the others' steps, and the collectives the join adds to torch's.
 A rank that has joined runs the model's forward and backward on an *empty* batch shaped like its
 last one (:func:`empty_batch`): each synchronized layer then sends a row of count 0 through the
 same all_gather and all_reduce as the ranks still training, so the merged statistics are those of
-the ranks with data alone, and DDP's gradient buckets meet zeros. Two collectives are added, once
-per join each:
+the ranks with data alone, and DDP's gradient buckets meet zeros. Each step of the ranks still
+training adds, besides torch's join notice, one async all_reduce that tells a joined rank what
+kind of step to shadow (:func:`announce_step`, :func:`step_kind`: with or without gradients,
+reduced or under ``no_sync()``, under which autocast dtype). Two collectives are added once per
+join:
 
 - the *verdict* (:func:`exchange_verdicts`), the first collective of every rank inside the join
   (a rank with a batch sends it at its first step, a rank without one when it leaves the loop):
