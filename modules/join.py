@@ -8,7 +8,7 @@ our :class:`~torch.distributed.algorithms.join.Joinable`'s hook runs the same DD
 backward on an *empty* batch shaped like the rank's last one, its gradients cleared first, so that
 every collective of ours and of DDP's comes in the same order as on the ranks still training.
 
-Per step, with ``W`` ranks of which ``J`` have joined, for a layer of ``C`` channels:
+Per step, with ``W`` ranks of which ``J`` have joined:
 
 - statistics: the joined ranks send count 0, so the merged (count, mean, M2) is Chan's merge over
   the ``W - J`` ranks with data: exactly the statistics of their concatenated batches;
