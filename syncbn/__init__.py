@@ -4,7 +4,8 @@
 activated ``NN.ABN``/``NN.InPlaceABN``/``NN.InPlaceABNSync``), the converters
 (``NN.convert_sync_batchnorm``, ``NN.convert_inplace_abn``, ``NN.revert_sync_batchnorm``),
 ``NN.freeze_batchnorm`` and ``NN.fuse_bn_act``; ``syncbn.parallel.ThreadedDataParallel`` runs
-replicas in threads (CPU replicas, or GPUs without ``nn.DataParallel``); ``syncbn.functional``
+replicas in threads (CPU replicas, or GPUs without ``nn.DataParallel``); ``syncbn.parallel.join``
+trains DDP on ranks with uneven numbers of batches; ``syncbn.functional``
 holds the functional forms and autograd Functions; ``syncbn.backend_info()`` says which kernels
 serve each device.
 
