@@ -182,9 +182,11 @@ def import_lines(text: str) -> list[str]:
     return [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
 
 
-OPTIONAL = {"lightning": ("lightning", "pytorch_lightning", "syncbn.lightning"), "timm": ("timm",)}
+OPTIONAL = {"lightning": ("lightning", "pytorch_lightning", "syncbn.lightning"), "timm": ("timm",),
+            "ultralytics": ("ultralytics",), "segmentation_models_pytorch": ("segmentation_models_pytorch",),
+            "accelerate": ("accelerate",), "mmengine": ("mmengine",)}
 """Packages that a page may import and the library does not need (requirements-test.txt installs
-Lightning; timm runs in a second environment, .ci/run), with the modules that need each: where one is not installed, its import lines are not checked."""
+Lightning; timm and the model libraries run in a second environment, .ci/run), with the modules that need each: where one is not installed, its import lines are not checked."""
 
 
 def needs_missing_package(line: str) -> bool:
