@@ -1,6 +1,7 @@
 """Two model libraries' own code on our layers, side by side with the same model on torch's layers
-(float64): Ultralytics (a YOLO11n detector: its trainer's ``freeze=`` path, ``RepConv`` folding,
-``initialize_weights``, ``fuse()``, a training step under ``ThreadedDataParallel``) and
+(float64): Ultralytics (a YOLO11n detector: a trainer whose ``get_model`` converts, its trainer's
+``freeze=`` path, ``RepConv`` folding, ``initialize_weights``, ``fuse()``, a training step under
+``ThreadedDataParallel`` and ``ModelEMA`` after it) and
 segmentation_models_pytorch (a Unet and a DeepLabV3Plus on resnet18: ``freeze_encoder()``, a
 training step under ``ThreadedDataParallel``). Their code finds our layers by torch's classes
 (``isinstance(m, nn.BatchNorm2d)``, ``_NormBase``). Run by ``tools/test_timm.sh`` in an environment
@@ -20,8 +21,10 @@ from syncbn.parallel import ThreadedDataParallel
 ultralytics = pytest.importorskip("ultralytics")
 smp = pytest.importorskip("segmentation_models_pytorch")
 from ultralytics.engine.trainer import BaseTrainer  # noqa: E402
+from ultralytics.models.yolo.detect import DetectionTrainer  # noqa: E402
 from ultralytics.nn.modules.conv import RepConv  # noqa: E402
 from ultralytics.nn.tasks import DetectionModel  # noqa: E402
+from ultralytics.utils.torch_utils import ModelEMA, initialize_weights  # noqa: E402
 
 TOL = dict(rtol=1e-9, atol=1e-9)
 
@@ -67,11 +70,32 @@ def assert_steps_agree(theirs: nn.Module, ours: nn.Module, x: torch.Tensor, repl
         torch.testing.assert_close(a, b, **TOL, msg=name)
 
 
-def test_yolo_converted_trains_as_torchs_layers_on_the_full_batch() -> None:
+def test_yolo_converted_trains_as_torchs_layers_on_the_full_batch_and_its_ema_follows() -> None:
     theirs, ours = yolo_pair()
     assert sum(isinstance(m, NN.SyncBatchNorm2d) for m in ours.modules()) == sum(
         type(m) is nn.BatchNorm2d for m in theirs.modules()) > 50
+    emas = [ModelEMA(model, decay=0.5, tau=1) for model in (theirs, ours)]  # a copy of ours, running statistics included
     assert_steps_agree(theirs.train(), ours.train(), torch.randn(5, 3, 64, 64, dtype=torch.float64), replicas=2)
+    for ema, model in zip(emas, (theirs, ours)):
+        ema.update(model)
+    assert isinstance(emas[1].ema.model[0].bn, NN.SyncBatchNorm2d)
+    for (name, a), b in zip(emas[1].ema.state_dict().items(), emas[0].ema.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, **TOL, msg=name)
+
+
+class SyncBNDetectionTrainer(DetectionTrainer):
+    """The integrations page's recipe: the trainer builds (and loads) its model, then converts it."""
+
+    def get_model(self, cfg=None, weights=None, verbose=True):
+        return NN.convert_sync_batchnorm(super().get_model(cfg, weights, verbose))
+
+
+def test_a_trainer_whose_get_model_converts_gives_ours_with_initialize_weights_settings() -> None:
+    trainer = object.__new__(SyncBNDetectionTrainer)  # only what get_model reads: building a trainer reads a dataset
+    trainer.args, trainer.data = SimpleNamespace(), {"nc": 3, "channels": 3, "names": {0: "a", 1: "b", 2: "c"}}
+    model = trainer.get_model("yolo11n.yaml", verbose=False)
+    layers = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    assert layers and all(type(m) is NN.SyncBatchNorm2d and (m.eps, m.momentum) == (1e-3, 0.03) for m in layers)
 
 
 def test_the_trainers_freeze_puts_our_frozen_layers_in_eval_and_keeps_their_statistics() -> None:
@@ -106,6 +130,10 @@ def test_initialize_weights_settings_survive_conversion_and_fuse_folds_ours() ->
     theirs, ours = yolo_pair()
     layers = [m for m in ours.modules() if isinstance(m, NN.SyncBatchNorm2d)]
     assert all(m.eps == 1e-3 and m.momentum == 0.03 for m in layers)  # what initialize_weights set on torch's
+    # It asks for the exact class (type(m) is nn.BatchNorm2d), so it passes ours by: convert after building.
+    fresh = NN.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(4)))
+    initialize_weights(fresh)
+    assert (fresh[0].eps, fresh[0].momentum) == (1e-5, 0.1)
     theirs.eval(), ours.eval()
     x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
     unfused = outputs(ours(x))
