@@ -153,8 +153,8 @@ def test_smp_freeze_encoder_and_a_training_step_as_torchs(architecture: str) -> 
             layer.p = 0.0  # DeepLabV3Plus's ASPP: each replica would draw its own dropout mask
     ours = NN.convert_sync_batchnorm(copy.deepcopy(theirs))
     for model in (theirs, ours):
-        model.train()
         model.freeze_encoder()
+        model.train()  # as a loop does each epoch: smp's train() leaves the frozen encoder's norms in eval
     encoder = [name for name, m in ours.encoder.named_modules() if isinstance(m, NN.SyncBatchNorm2d)]
     assert encoder and not any(m.training for m in ours.encoder.modules() if isinstance(m, NN.SyncBatchNorm2d))
     before = {name: b.clone() for name, b in ours.encoder.named_buffers()}
@@ -163,3 +163,5 @@ def test_smp_freeze_encoder_and_a_training_step_as_torchs(architecture: str) -> 
         torch.testing.assert_close(buffer, before[name], rtol=0, atol=0, msg=name)
     decoder_layers = [m for m in ours.decoder.modules() if isinstance(m, NN.SyncBatchNorm2d)]
     assert decoder_layers and all(int(m.num_batches_tracked) == 1 for m in decoder_layers)
+    ours.unfreeze_encoder()
+    assert all(m.training for m in ours.encoder.modules() if isinstance(m, NN.SyncBatchNorm2d))
