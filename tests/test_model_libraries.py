@@ -1,7 +1,7 @@
 """Two model libraries' own code on our layers, side by side with the same model on torch's layers
 (float64): Ultralytics (a YOLO11n detector: a trainer whose ``get_model`` converts, its trainer's
 ``freeze=`` path, ``RepConv`` folding, ``initialize_weights``, ``fuse()``, a training step under
-``ThreadedDataParallel`` and ``ModelEMA`` after it) and
+``ThreadedDataParallel`` and ``ModelEMA`` after it, reverted and traced) and
 segmentation_models_pytorch (a Unet and a DeepLabV3Plus on resnet18: ``freeze_encoder()``, a
 training step under ``ThreadedDataParallel``). Their code finds our layers by torch's classes
 (``isinstance(m, nn.BatchNorm2d)``, ``_NormBase``). Run by ``tools/test_timm.sh`` in an environment
@@ -81,6 +81,14 @@ def test_yolo_converted_trains_as_torchs_layers_on_the_full_batch_and_its_ema_fo
     assert isinstance(emas[1].ema.model[0].bn, NN.SyncBatchNorm2d)
     for (name, a), b in zip(emas[1].ema.state_dict().items(), emas[0].ema.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, **TOL, msg=name)
+    back = NN.revert_sync_batchnorm(emas[1].ema)  # what is exported: torch's layers, Ultralytics' modules kept
+    assert [type(m) for m in back.modules()] == [type(m) for m in emas[0].ema.modules()]
+    for model in (back, emas[0].ema):
+        model.model[-1].export = True  # the head returns one tensor, as Ultralytics' exporter sets it
+    x = torch.randn(1, 3, 64, 64, dtype=torch.float64)
+    traced = torch.jit.trace(back, x, check_trace=False)
+    for a, b in zip(outputs(traced(x)), outputs(emas[0].ema(x)), strict=True):
+        torch.testing.assert_close(a, b, **TOL)
 
 
 class SyncBNDetectionTrainer(DetectionTrainer):
