@@ -138,9 +138,11 @@ def test_python_scripts_answer_help():
 
 
 def _ci_form(line: str) -> str:
-    """A command as CI and the README both write it: no comment, no quiet/verbose flags, no redirection."""
+    """A command as CI and the README both write it: no comment, no quiet/verbose flags, no redirection,
+    no package index (CI installs torch's CPU build from a local wheel; the README names PyTorch's index)."""
     line = re.split(r"\s#", line)[0]
     line = re.split(r"\s(?:>|\|\|)\s", line)[0]
+    line = re.sub(r"\s--index-url\s+\S+", "", line)
     words = [word for word in line.split() if word not in ("--quiet", "-q", "-v")]
     return " ".join(words)
 
