@@ -15,7 +15,7 @@ from ..functions import checkpointing, frozen_batch_norm, sync_batch_norm, torch
 from ..functions.masking import check_mask, positions_mask
 from ..functions.synchronization import traced_ranks
 from ..functions.operators.lone_replica import takes_our_kernels
-from ..functions.synchronization.distributed import ProcessGroupSync, active_process_group, consecutive_rank_groups
+from ..functions.synchronization.distributed import ProcessGroupSync, active_process_group, checked_process_group, consecutive_rank_groups
 from ..functions.operators.reference import values_per_channel
 from ..functions.stats import check_values_per_channel
 from ..functions.operators import backend
@@ -117,7 +117,7 @@ class SyncBatchNorm(DropInBatchNorm, _BatchNorm):
         )
         if not bias and not _TORCH_BN_TAKES_BIAS:
             self.register_parameter("bias", None)  # torch < 2.13 has no bias argument
-        self.process_group = process_group
+        self.process_group = checked_process_group(process_group, f"{type(self).__name__}({num_features})")
         self.timeout = timeout
         self.activation = activation
         self.negative_slope = float(negative_slope)

@@ -9,6 +9,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from ..functions.synchronization.distributed import checked_process_group
 from .batchnorm import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d, _bias_kwarg
 from .timm_layers import FROZEN_BATCH_NORM_ACT, SyncBatchNormAct2d, is_timm_layer, qualified_name
 
@@ -185,7 +186,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any | None = None, 
     is raised instead, before anything is changed.
     """
     _report_left_behind(module, strict, "convert_sync_batchnorm", "not synchronized by syncbn")
-    return _convert(module, "", process_group, {})
+    return _convert(module, "", checked_process_group(process_group, "convert_sync_batchnorm"), {})
 
 
 def _revert(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:

@@ -28,8 +28,27 @@ from .conversion import name_sync_layers
 
 __all__ = ["ThreadedDataParallel"]
 
+def _needs_accelerator(device: Any) -> bool:
+    """An int (torch's accelerator index) or a device of a type other than cpu and meta."""
+    if isinstance(device, int):
+        return True
+    try:
+        return torch.device(device).type not in ("cpu", "meta")
+    except (RuntimeError, TypeError):
+        return False  # not a device at all: said below
+
+
 def _normalize_device(device: Any) -> torch.device:
-    device = torch.device(device)
+    if _needs_accelerator(device) and not torch.accelerator.is_available():  # before torch's bare error
+        raise ValueError(
+            f"ThreadedDataParallel: device {device!r} is an accelerator's, and this machine has none "
+            "(torch.accelerator.is_available() is False); for CPU replicas pass ['cpu'] * n"
+        )
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"ThreadedDataParallel: {device!r} is not a device ({error}); pass e.g. ['cpu'] * 2 "
+                         "or ['cuda:0', 'cuda:1']") from None
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device

@@ -165,6 +165,7 @@ FORMAT_MODULE = textwrap.dedent("""\
 """)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.skipif(cxx_runtime.loaded_cxx_runtime() is None, reason="torch loaded no shared libstdc++ here")
 def test_a_compiler_that_links_the_cxx_runtime_statically_still_links_torchs(tmp_path) -> None:
     # CC and CXX wrap the system's compilers with -static-libstdc++, as a relocated GCC does: the

@@ -135,8 +135,17 @@ def test_deferred_errors_on_every_rank(rank: int, world: int) -> None:
             mismatch(rank, expect_deferred_error)
 
 
+@pytest.mark.parametrize("group", ["gloo", 0, object()])
+def test_a_process_group_that_is_not_a_group_is_refused_at_construction(group: object) -> None:
+    with pytest.raises(TypeError, match=r"SyncBatchNorm2d\(3\): process_group must be a torch.distributed process group"):
+        NN.SyncBatchNorm2d(3, process_group=group)
+    with pytest.raises(TypeError, match="convert_sync_batchnorm: process_group must be"):
+        NN.convert_sync_batchnorm(torch.nn.BatchNorm2d(3), process_group=group)
+
+
 def test_process_group_without_torch_distributed_raises() -> None:
-    layer = NN.SyncBatchNorm1d(3, process_group=object())
+    layer = NN.SyncBatchNorm1d(3)
+    layer.process_group = object()  # set past the constructor's check: refused at the first synchronized call
     with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
         layer(torch.randn(4, 3))
     layer.eval()

@@ -139,10 +139,12 @@ def test_python_scripts_answer_help():
 
 def _ci_form(line: str) -> str:
     """A command as CI and the README both write it: no comment, no quiet/verbose flags, no redirection,
-    no package index (CI installs torch's CPU build from a local wheel; the README names PyTorch's index)."""
+    no package index (CI installs torch's CPU build from a local wheel; the README names PyTorch's index),
+    no ``--exhaustive`` (CI runs the suite with its slow cases)."""
     line = re.split(r"\s#", line)[0]
     line = re.split(r"\s(?:>|\|\|)\s", line)[0]
     line = re.sub(r"\s--index-url\s+\S+", "", line)
+    line = line.replace(" --exhaustive", "")  # CI runs the README's suite with its slow cases
     words = [word for word in line.split() if word not in ("--quiet", "-q", "-v")]
     return " ".join(words)
 

@@ -305,6 +305,6 @@ COMPILED_PAIRS = [("bn", "none"), ("fused", "bad_mask"), ("abn", "mask_disagrees
 """A compile per case costs seconds: these pairs, one case each."""
 
 
-@pytest.mark.parametrize("wrapper, examples", [("ranks", 2), ("compiled", 1)])
+@pytest.mark.parametrize("wrapper, examples", [("ranks", 2), pytest.param("compiled", 1, marks=pytest.mark.exhaustive)])
 def test_across_ranks(wrapper: str, examples: int) -> None:
     assert run_local_group(_ranks_draw, 2, wrapper, examples, timeout_s=TIMEOUT) == ["ok", "ok"]

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from testkit.local_group import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -156,6 +158,7 @@ def two_ranks_step_and_exit() -> list[int]:
     return codes
 
 
+@pytest.mark.exhaustive
 def test_imported_after_init_process_group_every_rank_exits_cleanly() -> None:
     # torch 2.13 keeps the default group alive past destroy_process_group where torch._dynamo
     # (or torch.distributed.nn) is first imported after init, and Gloo's teardown then aborts

@@ -38,7 +38,7 @@ def test_positional_arguments_mean_what_they_mean_for_torch(torch_cls, our_cls) 
     for name in ("num_features", "eps", "momentum", "affine", "track_running_stats"):
         assert getattr(ours, name) == getattr(theirs, name), name
     assert ours.weight is None and ours.running_mean is None
-    group = object()
+    group = torch.distributed.ProcessGroup(torch.distributed.HashStore(), 0, 1)
     assert NN.SyncBatchNorm(5, 1e-3, 0.2, True, True, group).process_group is group  # as nn.SyncBatchNorm
 
 
@@ -168,7 +168,7 @@ def test_convert_keeps_everything_and_revert_round_trips() -> None:
 def test_convert_a_lone_layer_and_set_process_group() -> None:
     layer = NN.convert_sync_batchnorm(nn.BatchNorm3d(2))
     assert type(layer) is NN.SyncBatchNorm3d
-    group = object()
+    group = torch.distributed.ProcessGroup(torch.distributed.HashStore(), 0, 1)
     assert NN.convert_sync_batchnorm(layer, process_group=group).process_group is group
 
 

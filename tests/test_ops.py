@@ -16,7 +16,7 @@ from helpers import another_thread_runs_during
 
 OPS = torch.ops.syncbn
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
-DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+DTYPES = [torch.float64, torch.float32, *(pytest.param(dtype, marks=pytest.mark.exhaustive) for dtype in (torch.bfloat16, torch.float16))]
 LAYOUTS = [
     ((4, 3, 5, 5), torch.contiguous_format),
     ((4, 3, 5, 5), torch.channels_last),

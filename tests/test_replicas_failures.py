@@ -23,7 +23,7 @@ def test_replica_error_releases_the_others_at_once_and_keeps_state() -> None:
     start = time.monotonic()
     with pytest.raises(KeyError, match="batch 1 fails"):  # the original error, not the abort
         model(torch.randn(10, 3, 2, 2, dtype=torch.float64))  # chunks 3,3,3,1
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30 / 2  # at once: well within the 30 s timeout it guards
     assert_buffers_equal(buffers_of(model.module), before)
 
 
@@ -79,7 +79,7 @@ def test_backward_failure_releases_the_others_and_recovers() -> None:
     start = time.monotonic()
     with pytest.raises(ArithmeticError, match="small replica"):
         model(x).sum().backward()
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30 / 2  # at once: well within the 30 s timeout it guards
     # the next step is normal
     ref = nn.BatchNorm2d(3).double()
     ref.load_state_dict(bn.state_dict())
@@ -99,6 +99,6 @@ def test_failure_inside_the_layer_backward_releases_the_others() -> None:
     inputs[1].add_(1)  # replica 1's saved input changed: its backward raises before it meets the others
     start = time.monotonic()
     results = run_threads([lambda o=o, c=c: torch.autograd.grad(o.square().sum(), c) for o, c in zip(outputs, chunks)])
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30 / 2  # at once: well within the 30 s timeout it guards
     assert isinstance(results[1], RuntimeError) and "modified by an inplace operation" in str(results[1])
     assert isinstance(results[0], ReplicaSyncError) and "replica 1 failed: RuntimeError" in str(results[0])

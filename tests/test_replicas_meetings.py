@@ -47,7 +47,7 @@ def test_without_the_compiled_module_replicas_refuse_at_once(monkeypatch: pytest
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"SyncBatchNorm2d\(3\): synchronizing replicas in one process needs the compiled extension.*make_ext.sh"):
         ThreadedDataParallel(bn, ["cpu"] * 2)(torch.randn(4, 3, 2, 2, dtype=torch.float64))
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30 / 2  # at once: well within the 30 s timeout it guards
     assert int(bn.num_batches_tracked) == 0
     x = torch.randn(4, 3, 2, 2, dtype=torch.float64)
     torch.testing.assert_close(bn(x), nn.BatchNorm2d(3).double()(x), atol=1e-12, rtol=1e-12)
@@ -89,7 +89,7 @@ def test_abort_releases_a_waiting_master_and_a_waiting_replica_at_once() -> None
     start = time.monotonic()
     x = torch.randn(2, 3, dtype=torch.float64)
     results = run_threads([lambda j=j: batch_norm_of(syncs[j], x) for j in range(2)] + [abort_later])
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30 / 2  # at once: well within the 30 s timeout it guards
     for result in results[:2]:
         assert isinstance(result, ReplicaSyncError) and "replica 2 failed: KeyError" in str(result), result
 
@@ -228,6 +228,6 @@ def test_forward_mode_ad_through_a_synchronized_layer_raises() -> None:
     start = time.monotonic()
     with torch.autograd.forward_ad.dual_level():  # one level for the process (levels are global)
         results = run_threads([lambda j=j: replica(j) for j in range(2)])
-    assert time.monotonic() - start < 5  # never a silent tangent, never a hang
+    assert time.monotonic() - start < 30 / 2  # at once: well within the 30 s timeout it guards
     assert all(isinstance(r, (NotImplementedError, ReplicaSyncError)) for r in results), results
     assert any(isinstance(r, NotImplementedError) for r in results)

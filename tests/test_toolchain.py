@@ -200,7 +200,7 @@ def test_a_transform_over_synchronized_replicas_raises_naming_the_layer(transfor
     chunks = [torch.randn(n, 3, 2, 2, dtype=torch.float64) for n in (2, 3)]
     start = time.monotonic()
     results = run_threads([lambda r=r, c=c: TRANSFORMS[transform](r, c) for r, c in zip(replicas, chunks)])
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30 / 2  # at once: well within the 30 s timeout it guards
     assert all(isinstance(r, RuntimeError) for r in results), results
     assert any("encoder.bn1" in str(r) and "torch.func transforms" in str(r) and "torch.autograd" in str(r)
                for r in results), results
@@ -289,6 +289,7 @@ def compiled_ddp_worker(rank: int, world_size: int) -> tuple[list[float], int, l
 DDP_OWN_BREAKS = ("DistributedDataParallel._inside_ddp_forward", "set_runtime_stats_and_log")
 
 
+@pytest.mark.exhaustive  # tests/test_distributed_compiled.py compiles across ranks in the quick suite
 def test_ddp_under_compile_matches_eager_with_no_break_at_our_layers() -> None:
     # torch.compile(DDP(model)): the exchange across ranks is in the graph (functions/synchronization/traced_ranks.py)
     from testkit.local_group import run_local_group

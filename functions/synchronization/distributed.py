@@ -49,6 +49,18 @@ MASKED_CODE = 16
 """Added to the dtype code of a masked call's row: ranks that disagree on ``mask=`` disagree there."""
 
 
+def checked_process_group(process_group: Any | None, owner: str) -> Any | None:
+    """``process_group`` where it is None or a ``torch.distributed`` group; else a TypeError naming ``owner``."""
+    groups = (dist.ProcessGroup,) if dist.is_available() else ()
+    non_member = getattr(dist.GroupMember, "NON_GROUP_MEMBER", None) if dist.is_available() else None
+    if process_group is None or isinstance(process_group, groups) or process_group is non_member:
+        return process_group
+    raise TypeError(
+        f"{owner}: process_group must be a torch.distributed process group (dist.new_group(...), "
+        f"dist.group.WORLD) or None for the default group, got {type(process_group).__name__} {process_group!r}"
+    )
+
+
 def active_process_group(process_group: Any | None, label: Callable[[], str]) -> Any | None:
     """The group that the layer syncs over across processes, or None within one process.
 
