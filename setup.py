@@ -22,6 +22,7 @@ Helpers in ``tools/``: ``cuda_toolkit.py``, ``cxx_runtime.py``, ``build_failure.
 import glob
 import os
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tools"))  # the build's helpers, found first by their plain names
@@ -174,7 +175,15 @@ class BuildExtension(cpp_extension.BuildExtension):
             self._with_built(super().build_extensions)
 
     def build_extension(self, ext) -> None:
-        self.started = True
+        # a build sits silent for minutes otherwise: say what it compiles, and when it is done
+        self.started, start = True, time.monotonic()
+        say(f"compiling {ext.name} ({len(ext.sources)} source files: {', '.join(os.path.basename(s) for s in ext.sources)})")
+        try:
+            self._build_one(ext)
+        finally:
+            say(f"{ext.name}: {time.monotonic() - start:.0f} s")
+
+    def _build_one(self, ext) -> None:
         if not getattr(ext, "optional", False):
             return super().build_extension(ext)
         error = None

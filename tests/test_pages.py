@@ -85,3 +85,10 @@ def test_the_performance_page_is_short_and_shows_its_pictures_first() -> None:
     assert page.count("\n") <= 150
     first_picture = page.find("![")
     assert 0 <= first_picture < page.find("\n## ", page.find("\n## ") + 1), "pictures first"
+
+
+def test_the_code_map_names_every_test_file() -> None:
+    """The testing page sends readers to the code map for the list of test files: it must be whole."""
+    code_map = (ROOT / "docs" / "code-map.md").read_text(encoding="utf-8")
+    missing = [path.name for path in sorted((ROOT / "tests").glob("test_*.py")) if f"`{path.name}`" not in code_map]
+    assert not missing, f"docs/code-map.md does not name: {missing}"
