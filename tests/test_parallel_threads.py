@@ -215,3 +215,15 @@ def test_replicas_run_without_automatic_garbage_collection() -> None:
     probe = Seen()
     ThreadedDataParallel(probe, ["cpu"] * 2)(torch.randn(4, 3, requires_grad=True)).sum().backward()
     assert probe.collecting == [False, False] and gc.isenabled()
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="an accelerator is present")
+@pytest.mark.parametrize("devices", [[0, 1], ["cuda:0", "cuda:1"]])
+def test_an_accelerators_device_without_one_is_refused_naming_what_to_pass(devices: list) -> None:
+    with pytest.raises(ValueError, match=r"ThreadedDataParallel: device .* is an accelerator's, and this machine has none.*\['cpu'\] \* n"):
+        ThreadedDataParallel(nn.Linear(2, 2), devices)
+
+
+def test_what_is_not_a_device_is_refused_naming_what_to_pass() -> None:
+    with pytest.raises(ValueError, match=r"ThreadedDataParallel: 'bogus' is not a device .*\['cpu'\] \* 2"):
+        ThreadedDataParallel(nn.Linear(2, 2), ["bogus"])
