@@ -2,10 +2,9 @@
 (``tests/test_torch_internals.py``) that checks it still means what we read it as on the
 installed torch, for the versions in :data:`CHECKED_TORCH_VERSIONS`.
 
-The native side reads one more (``src/graph_task.h``: a backward pass's ``GraphTask`` from the
-exported ``get_current_graph_task_nodes_in_graph``), checked where it runs, once, by
-:func:`check_graph_task_reading`, and in
-``tests/test_torch_internals.py::test_the_native_meetings_find_the_backward_pass_they_wait_in``.
+The native side reads one more (``src/graph_task.h``: a backward pass's ``GraphTask`` from the exported
+``get_current_graph_task_nodes_in_graph``), checked where it runs, once, by :func:`check_graph_task_reading`,
+and in ``tests/test_torch_internals.py::test_the_native_meetings_find_the_backward_pass_they_wait_in``.
 """
 from __future__ import annotations
 
@@ -32,14 +31,10 @@ def torch_minor_version() -> str:
 def warn_if_unchecked_torch() -> None:
     """One warning where the running torch is not among :data:`CHECKED_TORCH_VERSIONS`."""
     if torch_minor_version() not in CHECKED_TORCH_VERSIONS:
-        warnings.warn(
-            f"syncbn: torch {torch.__version__} is not among the versions whose private state this library was "
-            f"checked against ({', '.join(CHECKED_TORCH_VERSIONS)}): finding a checkpoint's recomputation, "
-            "stock nn.DataParallel's replicas and a failed backward pass are unverified on it; "
-            "tests/test_torch_internals.py checks them",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        warnings.warn(f"syncbn: torch {torch.__version__} is not among the versions whose private state this library "
+                      f"was checked against ({', '.join(CHECKED_TORCH_VERSIONS)}): finding a checkpoint's recomputation, "
+                      "stock nn.DataParallel's replicas and a failed backward pass are unverified on it; "
+                      "tests/test_torch_internals.py checks them", RuntimeWarning, stacklevel=2)
 
 _REPLICATE_CODE = _torch_replicate.__code__
 _BASE_APPLY = vars(torch._C._FunctionBase)["apply"]
@@ -131,8 +126,7 @@ def check_graph_task_reading(native: ModuleType) -> bool:
             f"syncbn: this torch ({torch.__version__}) lays out its autograd graph task otherwise than the headers "
             "the extension was built with, so a replica waiting in a backward meeting is not told at once that its "
             "backward pass failed on another device (its timeout frees it): rebuild the extension against this torch",
-            RuntimeWarning,
-            stacklevel=2,
+            RuntimeWarning, stacklevel=2,
         )
     return holds
 
@@ -156,8 +150,8 @@ class _ReferenceProbe(Function):
 
 
 def sole_references() -> int:
-    """The reference count of a gradient that nothing else holds, as a backward's first statement
-    sees it, measured once in a tiny backward pass (call it outside a backward first)."""
+    """A gradient's reference count that nothing else holds, as a backward's first statement sees it
+    (measured once in a tiny backward pass; call it outside a backward first)."""
     if not _SOLE_REFERENCES:
         with torch.enable_grad():
             x = torch.zeros(2, requires_grad=True)
@@ -186,8 +180,7 @@ def held_by_this_backward_alone(grad: Tensor, probing: bool = False) -> bool:
 
 
 def has_internal_overlap(tensor: Tensor) -> bool:
-    """Whether some elements of ``tensor`` share memory (an expanded tensor), so that it cannot be
-    written in place; torch's own check, which it does not export."""
+    """Whether elements of ``tensor`` share memory (an expanded tensor): not writable in place (torch's unexported check)."""
     return torch._debug_has_internal_overlap(tensor) == 1
 
 
@@ -196,13 +189,11 @@ def current_graph_task_id() -> int:
     return torch._C._current_graph_task_id()
 
 
-def in_backward_pass() -> bool:
-    """Whether this thread runs inside a backward pass."""
+def in_backward_pass() -> bool:  # whether this thread runs inside a backward pass
     return current_graph_task_id() != -1
 
 
-def will_engine_execute(node: Any) -> bool:
-    """Inside a backward pass: whether it executes the backward ``node`` (a grad_fn)."""
+def will_engine_execute(node: Any) -> bool:  # inside a backward pass: whether it executes ``node`` (a grad_fn)
     return torch._C._will_engine_execute_node(node)
 
 
@@ -382,15 +373,24 @@ def tree_unflatten(leaves: list, structure: Any) -> Any:
 
 
 def is_compiled_module(module: nn.Module) -> bool:
-    """Whether ``module`` is what ``torch.compile(module)`` returns (an ``OptimizedModule``),
-    without loading the compiler: none exists before it is loaded."""
+    """Whether ``module`` is what ``torch.compile(module)`` returns (an ``OptimizedModule``; none before the compiler loads)."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
+def uncompiled(module: nn.Module) -> nn.Module:
+    """The module that ``torch.compile`` wrapped (its ``_orig_mod``), or ``module`` where it is not compiled."""
+    return module._orig_mod if is_compiled_module(module) else module
+
+
+def divide_ddp_gradients_by(ddp: nn.Module, work: Any) -> None:
+    """DDP averages this step's gradients over the sum of ``work`` (an async all_reduce), as it does for itself
+    as torch's first ``Joinable``: the reducer's forward-pass work handle (``divide_by_initial_world_size=False``)."""
+    ddp.reducer._set_forward_pass_work_handle(work, False)
+
+
 def functional_collectives() -> ModuleType:
-    """torch.distributed._functional_collectives (collectives that torch.compile traces),
-    imported at the first call: importing it loads the compiler stack."""
+    """torch.distributed._functional_collectives (traced by torch.compile), imported at the first call (it loads the compiler)."""
     from torch.distributed import _functional_collectives
 
     return _functional_collectives

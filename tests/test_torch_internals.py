@@ -315,3 +315,11 @@ def test_a_compiled_module_is_told_apart_without_loading_the_compiler() -> None:
     model = nn.Linear(2, 2)
     assert not torch_internals.is_compiled_module(model)
     assert torch_internals.is_compiled_module(torch.compile(model))
+    assert torch_internals.uncompiled(torch.compile(model)) is model and torch_internals.uncompiled(model) is model
+
+
+def test_ddps_reducer_takes_a_forward_pass_work_handle() -> None:
+    """What divide_ddp_gradients_by calls; tests/test_join.py checks the divisor it gives, across ranks."""
+    from torch._C._distributed_c10d import Reducer
+
+    assert callable(getattr(Reducer, "_set_forward_pass_work_handle", None))

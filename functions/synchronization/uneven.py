@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..torch_internals import is_compiled_module, tree_flatten, tree_unflatten
+from ..torch_internals import divide_ddp_gradients_by, tree_flatten, tree_unflatten, uncompiled
 
 HAD_BATCH, EXAMPLE, NO_EXAMPLE, REJECTED = 1, 2, 3, 4
 """A rank's verdict: it had a batch (and the model takes the empty one); it had none but an example
@@ -51,9 +51,8 @@ def empty_batch(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[tuple, dic
 
 def divide_by_ranks_not_joined(ddp: nn.Module, notice: Any) -> None:
     """Have DDP average this step's gradients over the ranks that have not joined: the sum of
-    ``notice``, torch's join notice (an async all_reduce of 1 per rank still training), as DDP
-    does itself when it is torch's first ``Joinable`` (the reducer's forward-pass work handle)."""
-    ddp.reducer._set_forward_pass_work_handle(notice, False)
+    ``notice``, torch's join notice (an async all_reduce of 1 per rank still training)."""
+    divide_ddp_gradients_by(ddp, notice)
 
 
 _AUTOCAST = (None, torch.float16, torch.bfloat16)  # the autocast dtypes a step may run under, None: off
@@ -111,7 +110,7 @@ def probe_empty_batch(
     gradients and with its batch norms in eval (:func:`norms_in_eval`): no collective, no state
     changed. None where it runs; else what failed, and where: the innermost module running and
     the model's source line that raised."""
-    model = model._orig_mod if is_compiled_module(model) else model
+    model = uncompiled(model)
     if device is not None:
         leaves, structure = tree_flatten((tuple(args), dict(kwargs)))
         args, kwargs = tree_unflatten([x.to(device) if isinstance(x, Tensor) else x for x in leaves], structure)
